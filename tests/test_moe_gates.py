@@ -1,0 +1,454 @@
+"""Gates: seed worked numbers, invariants, gradient flow and the balancing variants (SEED_SPEC 2, 3, 5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moee.moe import (
+    BatchwiseBalancedGate,
+    ExpertChoiceGate,
+    GateOutput,
+    HierarchicalGate,
+    LossFreeBalancedGate,
+    NoisyTopKGate,
+    SoftmaxGate,
+    cv_squared,
+    prob_in_top_k,
+    switch_capacity,
+    top_k_gating,
+    update_loss_free_biases,
+)
+from moee.moe.gates import batchwise_mask, noisy_top_k
+
+H = torch.tensor([2.3, 0.8, 0.6, -2.0])
+CLEAN = torch.tensor([2.0, 1.0, 0.5, -0.5])
+
+
+def _check_gate_output(out: GateOutput, n: int, e: int) -> None:
+    assert out.probs.shape == (n, e) and out.logits.shape == (n, e)
+    assert out.weights.shape == out.indices.shape and out.weights.shape[0] == n
+    assert out.indices.dtype == torch.long
+    assert {"loss", "importance", "load"} <= set(out.aux)
+    assert out.aux["loss"].dim() == 0
+    assert out.aux["importance"].shape == (e,) and out.aux["load"].shape == (e,)
+    # the sparse slots and the dense matrix describe the same gate values
+    assert torch.allclose(out.probs.gather(1, out.indices), out.weights)
+
+
+# ---------------------------------------------------------------- worked numbers
+
+
+@pytest.mark.parametrize(
+    ("k", "expected"),
+    [(1, [1.0, 0.0, 0.0, 0.0]), (2, [0.818, 0.182, 0.0, 0.0]), (3, [0.711, 0.159, 0.130, 0.0])],
+)
+def test_seed_gate_values(k, expected):
+    probs, weights, indices = top_k_gating(H, k)
+    assert torch.allclose(probs, torch.tensor(expected), atol=5e-4)
+    assert (probs == 0).sum().item() == 4 - k
+    assert indices.tolist() == list(range(k))
+    if k == 1:
+        assert probs[0].item() == 1.0
+
+
+def test_zero_noise_gate_and_second_draw():
+    probs, _, _ = top_k_gating(CLEAN, 2)
+    assert torch.allclose(probs, torch.tensor([0.731, 0.269, 0.0, 0.0]), atol=5e-4)
+    # second draw: H_3 = 1.5 and H_1 = 1.4 are the top two, expert 2 is bumped
+    probs, _, _ = top_k_gating(torch.tensor([1.4, 0.9, 1.5, -1.0]), 2)
+    assert torch.allclose(probs, torch.tensor([0.475, 0.0, 0.525, 0.0]), atol=5e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=6, max_size=6),
+        min_size=1,
+        max_size=5,
+    ),
+    k=st.integers(1, 6),
+)
+def test_exactly_k_nonzero_gates_summing_to_one(rows, k):
+    h = torch.tensor(rows, dtype=torch.float32)
+    probs, weights, indices = top_k_gating(h, k)
+    assert ((probs > 0).sum(-1) == k).all()
+    assert ((probs == 0).sum(-1) == 6 - k).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(len(rows)), atol=1e-5)
+    assert torch.equal(probs.gather(-1, indices), weights)
+    if k == 1:
+        assert (weights == 1.0).all()
+
+
+def test_zero_init_noise_std_is_ln2_and_selection_uniform():
+    gate = NoisyTopKGate(8, 4, 1)
+    assert (gate.w_gate.weight == 0).all() and (gate.w_noise.weight == 0).all()
+    x = torch.randn(4000, 8)
+    assert torch.allclose(F.softplus(gate.w_noise(x)), torch.full((4000, 4), math.log(2)))
+    # the gate's noise is exactly N(0,1) * ln 2 on zero clean logits
+    torch.manual_seed(3)
+    out = gate.train()(x)
+    torch.manual_seed(3)
+    h = torch.randn(4000, 4) * math.log(2)
+    assert torch.equal(out.indices[:, 0], h.argmax(-1))
+    counts = torch.bincount(out.indices[:, 0], minlength=4).float()
+    assert (counts - 1000).abs().max() < 120  # ~ 4 sigma of a binomial(4000, 1/4)
+
+
+def test_noise_only_in_training_mode():
+    torch.manual_seed(0)
+    gate = NoisyTopKGate(6, 5, 2)
+    torch.nn.init.normal_(gate.w_gate.weight)
+    x = torch.randn(30, 6)
+    gate.eval()
+    a, b = gate(x), gate(x)
+    assert torch.equal(a.probs, b.probs)
+    assert torch.equal(a.probs, top_k_gating(x @ gate.w_gate.weight.t(), 2)[0])
+    gate.train()
+    assert not torch.equal(gate(x).probs, gate(x).probs)
+    gate_clean = NoisyTopKGate(6, 5, 2, noisy=False)
+    gate_clean.w_gate.weight.data.copy_(gate.w_gate.weight.data)
+    assert gate_clean.w_noise is None
+    assert torch.equal(gate_clean.train()(x).probs, a.probs)
+
+
+def test_noisy_gate_output_load_and_losses():
+    torch.manual_seed(1)
+    gate = NoisyTopKGate(6, 5, 2, w_importance=0.1, w_load=0.2)
+    torch.nn.init.normal_(gate.w_gate.weight)
+    torch.nn.init.normal_(gate.w_noise.weight)
+    x = torch.randn(40, 6)
+    out = gate.train()(x)
+    _check_gate_output(out, 40, 5)
+    assert ((out.probs > 0).sum(1) == 2).all()
+    assert torch.allclose(out.aux["importance"], out.probs.sum(0))
+    # smooth load: non-integer, between 0 and N, summing to roughly N*k
+    assert not torch.equal(out.aux["load"], out.aux["load"].round())
+    expected = 0.1 * cv_squared(out.aux["importance"]) + 0.2 * cv_squared(out.aux["load"])
+    assert out.aux["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+    ev = gate.eval()(x)
+    assert torch.equal(ev.aux["load"], torch.bincount(ev.indices.flatten(), minlength=5).float())
+    assert ev.aux["load"].sum().item() == 80
+
+
+def test_noisy_top_k_smooth_load_matches_prob_in_top_k():
+    torch.manual_seed(2)
+    clean, noise_logits = torch.randn(10, 6), torch.randn(10, 6)
+    torch.manual_seed(5)
+    probs, _, _, load_terms = noisy_top_k(clean, noise_logits, 2, add_noise=True)
+    torch.manual_seed(5)
+    std = F.softplus(noise_logits)
+    h = clean + torch.randn(10, 6) * std
+    assert torch.equal(probs, top_k_gating(h, 2)[0])
+    assert torch.allclose(load_terms, prob_in_top_k(clean, h, std, 2))
+
+
+def test_gate_input_validation():
+    gate = NoisyTopKGate(4, 3, 2)
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        gate(torch.randn(2, 5))
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        gate(torch.randn(2, 3, 4))
+    with pytest.raises(TypeError):
+        gate([[1.0, 2.0, 3.0, 4.0]])
+    with pytest.raises(ValueError, match="k must be in"):
+        NoisyTopKGate(4, 3, 4)
+    with pytest.raises(ValueError, match="w_load"):
+        NoisyTopKGate(4, 3, 2, w_load=-1.0)
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def test_worked_gradient_chain():
+    h = H.clone().requires_grad_(True)
+    probs, _, _ = top_k_gating(h, 2)
+    expert_out = torch.tensor([2.0, 0.0, 0.0, 0.0])
+    (0.1 * (probs * expert_out).sum()).backward()
+    p1 = probs[0].item()
+    assert p1 * (1 - p1) == pytest.approx(0.149, abs=1e-3)
+    assert h.grad[0].item() == pytest.approx(0.030, abs=5e-4)
+    assert h.grad[2].item() == 0.0 and h.grad[3].item() == 0.0  # masked experts get nothing
+
+
+def _weight_path_grads(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    gate = NoisyTopKGate(6, 4, k).train()
+    torch.nn.init.normal_(gate.w_gate.weight)
+    torch.nn.init.normal_(gate.w_noise.weight)
+    x = torch.randn(16, 6)
+    expert_values = torch.randn(16, 4)  # stands in for E_i(x) . dL/dy
+    out = gate(x)
+    (out.probs * expert_values).sum().backward()
+    return gate.w_gate.weight.grad, gate.w_noise.weight.grad
+
+
+def test_k_greater_than_one_gives_router_gradients():
+    g_gate, g_noise = _weight_path_grads(2)
+    assert g_gate.abs().sum() > 0 and g_noise.abs().sum() > 0
+
+
+def test_k_equal_one_gives_no_gradient_on_relative_weighting():
+    g_gate, g_noise = _weight_path_grads(1)
+    assert torch.equal(g_gate, torch.zeros_like(g_gate))
+    assert torch.equal(g_noise, torch.zeros_like(g_noise))
+
+
+def test_masked_experts_get_no_gradient():
+    torch.manual_seed(4)
+    h = torch.randn(20, 6, requires_grad=True)
+    probs, _, _ = top_k_gating(h, 3)
+    (probs * torch.randn(20, 6)).sum().backward()
+    selected = probs > 0
+    assert (h.grad[~selected] == 0).all()
+    assert (h.grad[selected] != 0).float().mean() > 0.9
+
+
+# ---------------------------------------------------------------- dense softmax gate
+
+
+def test_softmax_gate_is_dense():
+    gate = SoftmaxGate(5, 4, w_importance=0.5)
+    torch.nn.init.normal_(gate.w_gate.weight)
+    out = gate(torch.randn(7, 5))
+    _check_gate_output(out, 7, 4)
+    assert out.k == 4 and (out.probs > 0).all()
+    assert torch.allclose(out.probs.sum(1), torch.ones(7))
+    assert torch.equal(out.indices, torch.arange(4).expand(7, 4))
+    assert out.aux["loss"].item() == pytest.approx(0.5 * cv_squared(out.probs.sum(0)).item(), rel=1e-5)
+    assert torch.equal(out.aux["load"], torch.full((4,), 7.0))
+
+
+# ---------------------------------------------------------------- hierarchical gate
+
+
+def _random_hierarchical(seed: int = 0, **kw) -> HierarchicalGate:
+    torch.manual_seed(seed)
+    gate = HierarchicalGate(6, 3, 4, 2, 2, **kw)
+    for p in gate.parameters():
+        torch.nn.init.normal_(p)
+    return gate
+
+
+def test_hierarchical_gate_product_weights():
+    gate = _random_hierarchical()
+    x = torch.randn(25, 6)
+    out = gate.train()(x)
+    _check_gate_output(out, 25, 12)
+    assert out.k == 4
+    assert ((out.probs > 0).sum(1) == 4).all()
+    assert torch.allclose(out.weights.sum(1), torch.ones(25), atol=1e-6)
+    # every selected expert lies in one of the two selected groups, two per group
+    groups = out.indices // 4
+    for row in groups:
+        assert sorted(torch.bincount(row, minlength=3).tolist()) == [0, 2, 2]
+    assert torch.allclose(torch.softmax(out.logits, -1).sum(1), torch.ones(25), atol=1e-5)
+
+
+def _load_h_reference(gate: HierarchicalGate, x: torch.Tensor) -> torch.Tensor:
+    """Load_H by explicit loops over groups (eval mode: counts)."""
+    a, b = gate.n_groups, gate.experts_per_group
+    primary = top_k_gating(gate.w_gate(x), gate.k_primary)[0]
+    load = torch.zeros(a, b)
+    for i in range(a):
+        members = primary[:, i] > 0
+        if members.sum() == 0:
+            continue
+        sec = top_k_gating(x[members] @ gate.w_gate_secondary[i], gate.k_secondary)[0]
+        load_i = (sec > 0).sum(0).float()
+        load[i] = members.sum() * load_i / members.sum()
+    return load.reshape(-1)
+
+
+def test_hierarchical_load_and_importance_match_reference():
+    gate = _random_hierarchical(1, w_importance=0.3, w_load=0.7).eval()
+    x = torch.randn(40, 6)
+    out = gate(x)
+    assert torch.allclose(out.aux["load"], _load_h_reference(gate, x))
+    assert torch.allclose(out.aux["importance"], out.probs.sum(0))
+    expected = 0.3 * cv_squared(out.aux["importance"]) + 0.7 * cv_squared(out.aux["load"])
+    assert out.aux["loss"].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_hierarchical_empty_group_guard():
+    gate = HierarchicalGate(4, 3, 2, 1, 1, w_importance=1.0, w_load=1.0)
+    with torch.no_grad():
+        gate.w_gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0.5, 0, 0, 0], [-5.0, 0, 0, 0]]))
+    x = torch.rand(10, 4) + 0.1  # first feature positive: group 2 is never chosen
+    for mode in (gate.eval(), gate.train()):
+        out = mode(x)
+        assert torch.isfinite(out.aux["load"]).all() and torch.isfinite(out.aux["loss"])
+        if not mode.training:
+            assert out.aux["group_counts"][2].item() == 0
+            assert torch.equal(out.aux["load"][4:], torch.zeros(2))
+        out.aux["loss"].backward()
+        for p in gate.parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all()
+        gate.zero_grad()
+
+
+def test_hierarchical_load_trains_primary_gate():
+    gate = _random_hierarchical(2, w_load=1.0).train()
+    gate(torch.randn(30, 6)).aux["load_loss"].backward()
+    assert gate.w_gate.weight.grad.abs().sum() > 0  # via the Load_primary factor
+    assert gate.w_gate_secondary.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- strictly balanced gate
+
+
+def test_batchwise_mask_exactly_m_per_expert():
+    scores = torch.softmax(torch.randn(24, 6), -1)
+    mask = batchwise_mask(scores, 4)
+    assert (mask.sum(0) == 4).all() and mask.sum().item() == 24
+    for i in range(6):  # the kept rows are that column's top 4
+        assert set(mask[:, i].nonzero().flatten().tolist()) == set(scores[:, i].topk(4).indices.tolist())
+
+
+def test_batchwise_gate_training_balance_and_weights():
+    torch.manual_seed(0)
+    gate = BatchwiseBalancedGate(8, 6, 2).train()
+    x = torch.randn(30, 8)
+    out = gate(x)
+    m = gate.examples_per_expert(30)
+    assert m == 10
+    _check_gate_output(out, 30, 6)
+    assert torch.equal(out.aux["load"], torch.full((6,), 10.0))
+    assert torch.equal(torch.bincount(out.indices[out.mask], minlength=6), torch.full((6,), 10))
+    assert (out.weights[~out.mask] == 0).all()
+    totals = out.probs.sum(1)
+    routed = (out.probs > 0).any(1)
+    assert torch.allclose(totals[routed], torch.ones(int(routed.sum())))
+    assert (totals[~routed] == 0).all()
+    assert torch.isfinite(out.aux["threshold_loss"])
+
+
+def test_batchwise_threshold_loss_gradient_and_training():
+    torch.manual_seed(1)
+    gate = BatchwiseBalancedGate(8, 4, 1).train()
+    torch.nn.init.normal_(gate.w_gate.weight)  # spread the scores so the boundary is learnable
+    x = torch.randn(64, 8)
+    out = gate(x)
+    out.aux["loss"].backward()
+    scores = torch.softmax(out.logits.detach(), -1)
+    thr = scores > gate.thresholds.detach()
+    sel = batchwise_mask(scores, gate.examples_per_expert(64))
+    assert torch.allclose(gate.thresholds.grad, -(thr.float() - sel.float()).sum(0))
+    assert gate.w_gate.weight.grad is None or (gate.w_gate.weight.grad == 0).all()
+    # training T alone makes the inference mask agree with the batchwise one
+    before = out.aux["threshold_agreement"].item()
+    opt = torch.optim.SGD([gate.thresholds], lr=1e-3)
+    for _ in range(200):
+        opt.zero_grad()
+        gate(x).aux["loss"].backward()
+        opt.step()
+    after = gate(x).aux["threshold_agreement"].item()
+    assert after > before and after >= 0.99
+    # the learned thresholds now give (about) m = 16 examples per expert at inference
+    load = gate.eval()(x).aux["load"]
+    assert ((load - 16).abs() <= 2).all(), load
+
+
+def test_batchwise_gate_inference_uses_thresholds():
+    torch.manual_seed(2)
+    gate = BatchwiseBalancedGate(8, 4, 2).eval()
+    with torch.no_grad():
+        gate.thresholds.copy_(torch.tensor([0.2, 0.3, 0.25, 0.9]))
+    x = torch.randn(1, 8)  # a single example works at inference
+    out = gate(x)
+    scores = torch.softmax(out.logits, -1)
+    assert torch.equal(out.probs > 0, scores > gate.thresholds)
+    assert out.aux["loss"].item() == 0.0
+
+
+# ---------------------------------------------------------------- expert choice
+
+
+def test_expert_choice_each_expert_gets_exactly_c_tokens():
+    torch.manual_seed(0)
+    gate = ExpertChoiceGate(8, 4, capacity_factor=2.0)
+    x = torch.randn(20, 8)
+    out = gate(x)
+    c = switch_capacity(20, 4, 2.0)
+    assert c == 10 and out.aux["capacity"].item() == 10
+    _check_gate_output(out, 20, 4)
+    assert torch.equal(out.aux["load"], torch.full((4,), 10.0))
+    assert torch.equal(torch.bincount(out.indices[out.mask], minlength=4), torch.full((4,), 10))
+    scores = torch.softmax(out.logits, -1)
+    for e in range(4):
+        tokens = out.aux["expert_tokens"][e]
+        assert set(tokens.tolist()) == set(scores[:, e].topk(10).indices.tolist())
+        assert torch.allclose(out.aux["expert_weights"][e], scores[tokens, e])
+    # un-renormalised: a token's gates are its own scores for the experts that chose it
+    assert torch.allclose(out.probs[out.probs > 0], scores[out.probs > 0])
+    assert out.aux["unrouted_tokens"].item() == int(((out.probs > 0).sum(1) == 0).sum())
+
+
+# ---------------------------------------------------------------- loss-free balancing
+
+
+def test_loss_free_bias_moves_toward_balance():
+    torch.manual_seed(0)
+    gate = LossFreeBalancedGate(8, 8, 2, gamma=1e-2).train()
+    with torch.no_grad():
+        gate.w_gate.weight.normal_(std=0.3)
+        gate.w_gate.weight[0] += 1.0  # a skewed router: expert 0 strongly preferred
+    x = torch.randn(256, 8) + 0.5
+
+    def max_over_mean() -> float:
+        load = gate(x).aux["load"]
+        return (load.max() / load.mean()).item()
+
+    gate.eval()
+    before = max_over_mean()
+    gate.train()
+    for _ in range(400):
+        gate(x)
+    gate.eval()
+    after = max_over_mean()
+    assert before > 2.0 and after < 1.5, (before, after)
+    assert gate.bias[0] < 0  # the overloaded expert was nudged down
+    assert "bias" not in dict(gate.named_parameters())  # a buffer: no optimiser touches it
+    assert "bias" in gate.state_dict()  # but it is saved with the model
+
+
+def test_loss_free_bias_does_not_change_gate_weights():
+    torch.manual_seed(1)
+    gate = LossFreeBalancedGate(6, 5, 2, score_func="softmax").eval()
+    x = torch.randn(12, 6)
+    base = gate(x)
+    with torch.no_grad():
+        gate.bias.fill_(0.37)  # shifts every score equally: same selection
+    shifted = gate(x)
+    assert torch.equal(shifted.indices, base.indices)
+    assert torch.equal(shifted.weights, base.weights)
+    with torch.no_grad():
+        gate.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0]))  # forces expert 4 in
+    forced = gate(x)
+    assert (forced.indices == 4).any(1).all()
+    scores = torch.softmax(forced.logits, -1)
+    sel = scores.gather(1, forced.indices)
+    assert torch.allclose(forced.weights, sel / sel.sum(1, keepdim=True))
+    # softmax scores renormalised over the selection == softmax over the selected logits
+    assert torch.allclose(forced.weights, torch.softmax(forced.logits.gather(1, forced.indices), -1))
+
+
+def test_loss_free_update_rule_and_manual_mode():
+    gate = LossFreeBalancedGate(4, 4, 1, gamma=0.5, auto_update=False).train()
+    gate.update_bias(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
+    assert torch.equal(gate.bias, torch.tensor([-0.5, 0.5, 0.0, 0.5]))
+    model = torch.nn.Sequential(gate)
+    gate(torch.randn(9, 4))
+    assert gate.pending_load.sum().item() == 9
+    bias_before = gate.bias.clone()
+    assert update_loss_free_biases(model) == 1
+    assert not torch.equal(gate.bias, bias_before) and gate.pending_load.sum().item() == 0
+    gate.eval()(torch.randn(9, 4))
+    assert gate.pending_load.sum().item() == 0  # eval forwards never touch the bias
+    with pytest.raises(ValueError, match="score_func"):
+        LossFreeBalancedGate(4, 4, 1, score_func="relu")
