@@ -1,0 +1,297 @@
+"""`moee embed`: embed a text file (.txt / .jsonl / .parquet) into a .npy with a JSON sidecar.
+
+Single process::
+
+    moee embed corpus.txt --out corpus.npy --method moee_sum --prompt prompteol
+
+Sharded over processes or GPUs (each process embeds rows ``i % world == rank``; see
+``moee.shard``); rank 0 merges into ``DIR/embeddings.npy`` when all shards are done, and a
+rerun after a crash resumes, skipping complete shards::
+
+    accelerate launch --multi_gpu --num_processes 8 -m moee.cli embed corpus.jsonl --out DIR --sharded
+    torchrun --nproc_per_node 2 -m moee.cli embed corpus.txt --out DIR --sharded      # CPU too
+    moee embed corpus.txt --out DIR --sharded --shard-rank 3 --num-shards 16          # e.g. SLURM arrays
+    moee embed --merge DIR --out corpus.npy
+
+(`accelerate launch --multi_gpu` also starts N processes on a machine without GPUs; its
+`--cpu` mode starts one process unless given an MPI hostfile, so use torchrun for CPU shards.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from moee.embed.methods import METHODS, POOLINGS, SCORES
+from moee.embed.prompts import PROMPT_NAMES, resolve_prompt
+from moee.embed.validation import check_alpha, check_positive_int
+from moee.io import read_metadata, read_texts, run_metadata
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CHUNK = 4096
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options that choose and place the model (shared with `moee search`)."""
+    parser.add_argument(
+        "--model", default=None, help="model name or local path (default: the bundled default model)"
+    )
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default: the model's)")
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help="transformers device_map, e.g. auto: spread a large model over GPUs/CPU (instead of --device)",
+    )
+    parser.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'; needs a GPU), as in the paper",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow custom modeling code from the model repository (off by default: it runs arbitrary code)",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "embed",
+        help="embed a .txt/.jsonl/.parquet file into a .npy (+ JSON sidecar)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "input",
+        nargs="?",
+        help="texts: .txt (one per line; blank lines are kept as empty texts), .jsonl or .parquet (see --field)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output .npy (or, with --sharded, a directory; with --merge, the merged .npy)",
+    )
+    add_model_arguments(p)
+    p.add_argument(
+        "--method", choices=METHODS, default="moee_sum", help="embedding method (default: moee_sum)"
+    )
+    p.add_argument("--pooling", choices=POOLINGS, default="last", help="token pooling (default: last)")
+    p.add_argument(
+        "--score", choices=SCORES, default="softmax", help="routing scores: dense softmax, native, logits"
+    )
+    p.add_argument(
+        "--prompt",
+        type=_prompt_arg,
+        default=None,
+        help=f"'none' (default), one of {', '.join(PROMPT_NAMES)}, or a template containing {{text}}",
+    )
+    p.add_argument("--alpha", type=float, default=1.0, help="RW weight of moee_sum (>= 0)")
+    p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep rows unnormalised")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--field", default=None, help="JSON key / parquet column holding the text (default: text)")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help="texts read and embedded at a time (bounds memory; sorting by length happens within a chunk)",
+    )
+    shard = p.add_argument_group("sharding (multi-process / multi-GPU)")
+    shard.add_argument(
+        "--sharded", action="store_true", help="write one shard per process into the --out directory"
+    )
+    shard.add_argument(
+        "--shard-rank", type=int, default=None, help="this process' shard (default: $RANK or 0)"
+    )
+    shard.add_argument(
+        "--num-shards", type=int, default=None, help="number of shards (default: $WORLD_SIZE or 1)"
+    )
+    shard.add_argument("--no-merge", dest="auto_merge", action="store_false", help="rank 0 does not merge")
+    shard.add_argument(
+        "--merge-timeout", type=float, default=3600.0, help="seconds rank 0 waits for the other shards"
+    )
+    shard.add_argument(
+        "--merge", metavar="DIR", default=None, help="merge the shards of DIR into --out and exit"
+    )
+    p.set_defaults(func=run)
+
+
+def _prompt_arg(value: str) -> str | None:
+    """`--prompt none` means no prompt; anything else is checked by ``resolve_prompt`` later."""
+    return None if value.lower() == "none" else value
+
+
+def parse_dtype(name: str | None) -> Any:
+    """CLI dtype name -> what transformers' ``dtype=`` accepts."""
+    if name is None or name == "auto":
+        return name
+    import torch
+
+    return getattr(torch, name)
+
+
+def load_embedder(
+    model: str | None,
+    *,
+    device: str | None,
+    dtype: str | None,
+    trust_remote_code: bool,
+    device_map: str | None = None,
+    load_in_4bit: bool = False,
+) -> Any:
+    """The one place the CLI loads a model; options pass through to transformers."""
+    from moee.embed.embedder import MoEEmbedder
+
+    hf_kwargs: dict[str, Any] = {}
+    if device_map is not None:
+        if device is not None:
+            raise ValueError("give either --device or --device-map, not both")
+        hf_kwargs["device_map"] = device_map
+    if load_in_4bit:
+        hf_kwargs["quantization_config"] = four_bit_config()
+    return MoEEmbedder.from_pretrained(
+        model, device=device, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, **hf_kwargs
+    )
+
+
+def four_bit_config() -> Any:
+    """NF4 with double quantisation and bf16 compute (the official code's setting)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("--load-in-4bit needs bitsandbytes: pip install 'moee[quant]' (on a CUDA machine)")
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def load_from_args(args: argparse.Namespace, *, device: str | None = None, dtype: str | None = None) -> Any:
+    """``load_embedder`` with the model options of ``add_model_arguments``."""
+    return load_embedder(
+        args.model,
+        device=device if device is not None else args.device,
+        dtype=dtype if dtype is not None else args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        device_map=args.device_map,
+        load_in_4bit=args.load_in_4bit,
+    )
+
+
+def embedding_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything that changes the numbers; recorded in sidecars and shard manifests."""
+    return {
+        "model": args.model,
+        "method": args.method,
+        "pooling": args.pooling,
+        "prompt": args.prompt,
+        "prompt_template": resolve_prompt(args.prompt),
+        "score": args.score,
+        "alpha": check_alpha(args.alpha),
+        "normalize": args.normalize,
+        "dtype": args.dtype,
+        "load_in_4bit": args.load_in_4bit,
+    }
+
+
+def make_encoder(embedder: Any, settings: dict[str, Any], batch_size: int):
+    """``texts -> float32 [n, dim]`` with the recorded settings (also used by `moee search`)."""
+    return partial(
+        embedder.encode,
+        method=settings["method"],
+        pooling=settings["pooling"],
+        prompt=settings["prompt"],
+        alpha=settings["alpha"],
+        score=settings["score"],
+        normalize=settings["normalize"],
+        batch_size=batch_size,
+        show_progress_bar=False,
+    )
+
+
+def _log(msg: str) -> None:
+    print(f"moee embed: {msg}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moee import shard
+
+    if args.merge is not None:
+        if args.input is not None or args.sharded:
+            raise ValueError("--merge DIR takes no INPUT and no --sharded; it only merges existing shards")
+        out = shard.merge_shards(args.merge, args.out)
+        _log(f"merged {args.merge} into {out}")
+        return 0
+    if args.input is None:
+        raise ValueError("INPUT is required (or use --merge DIR)")
+    batch_size = check_positive_int("--batch-size", args.batch_size)
+    chunk_size = check_positive_int("--chunk-size", args.chunk_size)
+    settings = embedding_settings(args)
+    texts = read_texts(args.input, field=args.field)  # checks the path and field eagerly
+
+    if not args.sharded:
+        if args.shard_rank is not None or args.num_shards is not None:
+            raise ValueError("--shard-rank/--num-shards need --sharded")
+        if Path(args.out).suffix != ".npy":
+            raise ValueError(
+                f"--out must be a .npy file (got {args.out}); use --sharded to write a directory"
+            )
+        embedder = load_from_args(args)
+        meta = {
+            **settings,
+            **_run_facts(embedder, batch_size),
+            "input": str(Path(args.input).resolve()),
+            "field": args.field,
+            **run_metadata(),
+        }
+        out = shard.embed_stream(
+            make_encoder(embedder, settings, batch_size), texts, args.out, meta, chunk_size=chunk_size
+        )
+        _log(f"wrote {out} {tuple(read_metadata(out)['shape'])}")
+        return 0
+
+    info = shard.shard_info(args.shard_rank, args.num_shards)
+    out_dir = Path(args.out)
+    if out_dir.suffix == ".npy":
+        raise ValueError(f"with --sharded, --out is a directory, got {out_dir}")
+    if shard.prepare_shard_dir(out_dir, args.input, info, settings, field=args.field):
+        _log(f"{info.name} is already complete in {out_dir}; skipping it")
+    else:
+        device = args.device or (None if args.device_map else shard.default_device(info))
+        embedder = load_from_args(args, device=device)
+        written = shard.embed_shard(
+            make_encoder(embedder, settings, batch_size),
+            args.input,
+            out_dir,
+            info,
+            settings,
+            field=args.field,
+            chunk_size=chunk_size,
+            metadata=_run_facts(embedder, batch_size),
+        )
+        _log(f"wrote {written}")
+    if info.rank == 0 and args.auto_merge:
+        try:
+            shard.wait_for_shards(out_dir, info.world, timeout=args.merge_timeout)
+        except TimeoutError as exc:  # this shard is safe on disk; say how to finish
+            _log(f"error: {exc}")
+            return 1
+        out = shard.merge_shards(out_dir)
+        _log(f"merged {info.world} shard(s) into {out}")
+    return 0
+
+
+def _run_facts(embedder: Any, batch_size: int) -> dict[str, Any]:
+    """Sidecar-only facts: where the model really came from, and the batch size used."""
+    resolved = str(getattr(embedder, "name_or_path", None))
+    if Path(resolved).exists():  # a local model: record an absolute path, usable from any directory
+        resolved = str(Path(resolved).resolve())
+    return {"model_resolved": resolved, "batch_size": batch_size}

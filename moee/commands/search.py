@@ -1,0 +1,135 @@
+"""`moee search`: nearest texts of a corpus for one or more queries.
+
+The corpus embeddings come from `moee embed`; queries are embedded with the model, method,
+pooling, prompt, score and alpha recorded in the embeddings' sidecar, so both sides live in
+the same space::
+
+    moee embed corpus.txt --out corpus.npy --prompt prompteol
+    moee search --embeddings corpus.npy --texts corpus.txt --query "a cat on a mat" -k 5
+    moee search --embeddings corpus.npy --texts corpus.txt --query-file queries.txt --index-type ivf \\
+        --save-index corpus.faiss            # later: --load-index corpus.faiss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from moee.commands.embed import add_model_arguments, load_from_args, make_encoder
+from moee.embed.validation import check_positive_int
+from moee.index import KINDS, VectorIndex
+from moee.io import read_embeddings, read_texts
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "search",
+        help="search an embedded corpus with text queries (faiss)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--embeddings", required=True, help="corpus embeddings .npy written by `moee embed`")
+    p.add_argument("--texts", required=True, help="the corpus file the embeddings were made from")
+    p.add_argument(
+        "--field", default=None, help="JSON key / parquet column of --texts (default: as recorded)"
+    )
+    p.add_argument("--query", action="append", default=[], help="a query text (repeatable)")
+    p.add_argument("--query-file", default=None, help="more queries, one per line (.txt) or .jsonl/.parquet")
+    p.add_argument("-k", type=int, default=5, help="results per query")
+    p.add_argument("--index-type", choices=KINDS, default="flat")
+    p.add_argument("--nlist", type=int, default=None, help="IVF cells (default: about 4 sqrt(n))")
+    p.add_argument("--nprobe", type=int, default=None, help="IVF cells searched per query")
+    p.add_argument("--save-index", default=None, help="write the built index here (+ .json sidecar)")
+    p.add_argument("--load-index", default=None, help="search a saved index instead of building one")
+    p.add_argument("--index-device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--batch-size", type=int, default=32, help="query embedding batch size")
+    p.add_argument("--json", action="store_true", help="print one JSON object per query")
+    add_model_arguments(p)
+    p.set_defaults(func=run)
+
+
+def corpus_texts(path: str | Path, ids: set[int], *, field: str | None, expected_rows: int) -> dict[int, str]:
+    """Stream the corpus once, keeping only the texts of ``ids``; checks its row count."""
+    found: dict[int, str] = {}
+    n = 0
+    for n, text in enumerate(read_texts(path, field=field), start=1):
+        if n - 1 in ids:
+            found[n - 1] = text
+    if n != expected_rows:
+        raise ValueError(
+            f"{path} has {n} texts but the embeddings have {expected_rows} rows: they are not the same corpus"
+        )
+    return found
+
+
+def _queries(args: argparse.Namespace) -> list[str]:
+    queries = list(args.query)
+    if args.query_file:
+        queries.extend(read_texts(args.query_file))
+    if not queries:
+        raise ValueError("give at least one --query or a --query-file")
+    return queries
+
+
+def _recorded_model(meta: dict[str, Any]) -> str | None:
+    """The model the corpus was embedded with: its resolved local path when that still exists
+    (a relative --model then works from any directory), else the name given to `moee embed`."""
+    resolved = meta.get("model_resolved")
+    if resolved and Path(resolved).exists():
+        return resolved
+    return meta.get("model")
+
+
+def run(args: argparse.Namespace) -> int:
+    k = check_positive_int("-k", args.k)
+    queries = _queries(args)
+    embeddings, meta = read_embeddings(args.embeddings, mmap=True)
+    if args.load_index:
+        index = VectorIndex.load(args.load_index, device=args.index_device, nprobe=args.nprobe)
+        if (len(index), index.dim) != tuple(embeddings.shape):
+            raise ValueError(
+                f"index {args.load_index} holds {len(index)} x {index.dim} vectors, "
+                f"embeddings {args.embeddings} are {embeddings.shape[0]} x {embeddings.shape[1]}"
+            )
+    else:
+        index = VectorIndex.build(
+            embeddings, kind=args.index_type, nlist=args.nlist, nprobe=args.nprobe, device=args.index_device
+        )
+    if args.save_index:
+        index.save(args.save_index)
+
+    settings: dict[str, Any] = {
+        key: meta.get(key)
+        for key in ("model", "method", "pooling", "prompt", "score", "alpha", "normalize", "dtype")
+    }
+    missing = [key for key in ("method", "pooling", "score", "alpha") if settings[key] is None]
+    if missing:
+        raise ValueError(f"sidecar of {args.embeddings} lacks {', '.join(missing)}; re-run `moee embed`")
+    if settings["normalize"] is None:
+        settings["normalize"] = True
+    args.model = args.model or _recorded_model(meta)
+    args.load_in_4bit = args.load_in_4bit or bool(meta.get("load_in_4bit"))
+    embedder = load_from_args(args, dtype=args.dtype or settings["dtype"])
+    encode = make_encoder(embedder, settings, check_positive_int("--batch-size", args.batch_size))
+    scores, ids = index.search(encode(queries), k)
+
+    field = args.field if args.field is not None else meta.get("field")
+    wanted = {int(i) for i in ids.ravel() if i >= 0}
+    texts = corpus_texts(args.texts, wanted, field=field, expected_rows=embeddings.shape[0])
+    out = sys.stdout
+    for query, row_scores, row_ids in zip(queries, scores, ids):
+        hits = [
+            {"rank": r + 1, "id": int(i), "score": float(s), "text": texts[int(i)]}
+            for r, (s, i) in enumerate(zip(row_scores, row_ids))
+            if i >= 0
+        ]
+        if args.json:
+            out.write(json.dumps({"query": query, "results": hits}, ensure_ascii=False) + "\n")
+        else:
+            out.write(f"query: {query}\n")
+            for hit in hits:
+                out.write(f"  {hit['rank']:>3}. {hit['score']:.4f}  [{hit['id']}]  {hit['text']}\n")
+    return 0

@@ -1,0 +1,95 @@
+"""Embedding methods: turn pooled hidden states (HS) and routing weights (RW) into vectors.
+
+Every method works row by row: a text's vector depends only on its own HS and RW, never on
+the other rows of the batch (the official code z-scores with batch statistics, which makes a
+text's embedding depend on its neighbours; we replace that by per-text block scaling).
+
+- ``hs``: ``h``.
+- ``rw``: ``r``, the per-layer routing distributions flattened in layer order.
+- ``moee_concat``: ``[sqrt(d_h) h/|h| ; sqrt(d_r) r/|r|]``: each block is rescaled as if every
+  dimension had unit variance (the per-text analogue of the paper's standardisation), so the
+  larger block is not drowned by the smaller one's scale.
+- ``moee_sum``: ``[h/|h| ; sqrt(alpha) r/|r|] / sqrt(1 + alpha)``. For two texts,
+  ``cos(sum_1, sum_2) = (cos_h + alpha cos_r) / (1 + alpha)``: one vector that ranks pairs
+  exactly like the paper's similarity sum ``cos_h + alpha cos_r`` and can be fed to any
+  classifier, clusterer or faiss index.
+
+``normalize=True`` L2-normalises the final rows. A zero row stays zero (no NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moee.embed.validation import check_alpha, check_choice
+
+METHODS = ("hs", "rw", "moee_concat", "moee_sum")
+POOLINGS = ("last", "mean")
+SCORES = ("softmax", "native", "logits")
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    """Divide each row by its L2 norm; rows with norm 0 stay 0."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
+
+
+def _as_matrix(name: str, x: np.ndarray | None, ndim: tuple[int, ...]) -> np.ndarray:
+    if x is None:
+        raise ValueError(f"{name} is required for this method")
+    arr = np.asarray(x)
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+    ):
+        raise TypeError(f"{name} must be a numeric array, got dtype {arr.dtype}")
+    if arr.ndim not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {arr.shape}")
+    arr = arr.astype(np.float64, copy=False).reshape(arr.shape[0], int(np.prod(arr.shape[1:])))
+    finite = np.isfinite(arr).all(axis=1)
+    if not finite.all():
+        raise ValueError(f"{name} contains NaN or inf (first in row {int(np.flatnonzero(~finite)[0])})")
+    return arr
+
+
+def combine(
+    hs: np.ndarray | None,
+    rw: np.ndarray | None,
+    method: str,
+    alpha: float = 1.0,
+    normalize: bool = True,
+) -> np.ndarray:
+    """Build the embedding matrix of ``method`` from ``hs [n, d_h]`` and ``rw [n, L, E]``.
+
+    ``rw`` may also be given already flattened as ``[n, L*E]``. The input not used by the
+    method (``rw`` for ``hs``, ``hs`` for ``rw``) may be ``None``. Arithmetic is float64,
+    the result float32 ``[n, dim]``.
+    """
+    check_choice("method", method, METHODS)
+    alpha = check_alpha(alpha)
+    h = _as_matrix("hs", hs, (2,)) if method != "rw" else None
+    r = _as_matrix("rw", rw, (2, 3)) if method != "hs" else None
+    if h is not None and r is not None and h.shape[0] != r.shape[0]:
+        raise ValueError(f"hs and rw disagree on the number of rows: {h.shape[0]} vs {r.shape[0]}")
+
+    if method == "hs":
+        out = h
+    elif method == "rw":
+        out = r
+    elif method == "moee_concat":
+        out = np.concatenate(
+            [np.sqrt(h.shape[1]) * _unit_rows(h), np.sqrt(r.shape[1]) * _unit_rows(r)], axis=1
+        )
+    else:  # moee_sum
+        out = np.concatenate([_unit_rows(h), np.sqrt(alpha) * _unit_rows(r)], axis=1) / np.sqrt(1.0 + alpha)
+    if normalize:
+        out = _unit_rows(out)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def output_dim(method: str, hidden_size: int, n_layers: int, n_experts: int) -> int:
+    """Width of ``method``'s vectors, e.g. to pre-allocate or to report in a sidecar."""
+    check_choice("method", method, METHODS)
+    d_r = n_layers * n_experts
+    return {"hs": hidden_size, "rw": d_r, "moee_concat": hidden_size + d_r, "moee_sum": hidden_size + d_r}[
+        method
+    ]

@@ -1,0 +1,72 @@
+"""Input checks shared by every entry point (Python API, CLI, evaluation adapters).
+
+They live in one place so that every caller gives the same clear message for the same
+mistake, and so that a bad row is reported by its index instead of surfacing later as an
+obscure tokenizer or shape error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Real
+from typing import Any
+
+import numpy as np
+
+
+def check_texts(texts: Any) -> list[str]:
+    """Return ``texts`` as a list of str, or raise naming the first bad item.
+
+    Accepts any sequence (list, tuple, 1-D numpy array or pandas Series of str); iterators
+    and generators are rejected, since they could be consumed only once. A bare ``str``/``bytes`` is
+    rejected instead of being split into characters; ``None`` and non-str items are rejected
+    with their index, because silently skipping them would shift every later row.
+    Empty strings are allowed (they are legitimate, if uninformative, inputs).
+    """
+    if isinstance(texts, (str, bytes, bytearray)):
+        raise TypeError(
+            f"texts must be a list of str, got a single {type(texts).__name__}; wrap it in a list: [text]"
+        )
+    if isinstance(texts, np.ndarray) or (hasattr(texts, "ndim") and hasattr(texts, "tolist")):
+        # numpy arrays and array-likes such as a pandas Series
+        if texts.ndim != 1:
+            raise TypeError(f"texts must be a 1-D sequence of str, got an array of shape {texts.shape}")
+        texts = texts.tolist()
+    elif not isinstance(texts, Sequence):
+        raise TypeError(f"texts must be a list (or other sequence) of str, got {type(texts).__name__}")
+    out = list(texts)
+    for i, item in enumerate(out):
+        if item is None:
+            raise TypeError(f"texts[{i}] is None; every item must be a str")
+        if not isinstance(item, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(item).__name__}")
+    return out
+
+
+def check_choice(kind: str, value: Any, allowed: Sequence[str]) -> str:
+    """Return ``value`` if it is one of ``allowed``, else raise ``ValueError`` listing them."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"unknown {kind} {value!r}; expected one of: {', '.join(allowed)}")
+    return value
+
+
+def check_alpha(alpha: Any) -> float:
+    """Return the MoEE(sum) weight as a float; it must be a finite real number >= 0."""
+    if isinstance(alpha, bool) or not isinstance(alpha, Real):
+        raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
+    value = float(alpha)
+    if not math.isfinite(value):
+        raise ValueError(f"alpha must be finite, got {value}")
+    if value < 0:
+        raise ValueError(f"alpha must be >= 0, got {value}")
+    return value
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return ``value`` if it is an int >= 1 (batch sizes, k, nlist ...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)

@@ -1,0 +1,354 @@
+"""Streaming text readers and embedding files with JSON sidecars.
+
+Readers yield texts lazily, so a corpus of millions of rows never has to fit in memory:
+
+- ``.txt``: one text per line, split on ``\\n`` only (a trailing ``\\r`` is removed, so CRLF
+  files work; other Unicode line separators stay inside the text). Row ``i`` is line ``i+1``.
+  **Blank lines are kept as empty texts**, so rows stay aligned with line numbers (the
+  embedder embeds an empty text deliberately); a file without any line is an error.
+- ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``field`` (default
+  ``"text"``). A blank line, a line that is not an object, a missing field or a non-str value
+  is an error naming the line: there is no record to keep, and skipping it would shift rows.
+- ``.parquet``: the string column ``field``, read batch by batch with pyarrow; a null is an
+  error naming the row.
+
+Embedding files are plain ``.npy`` (float32 ``[n, dim]``, loaded with ``allow_pickle=False``)
+plus ``<name>.npy.json`` describing how they were made: model, method, pooling, prompt,
+score, alpha, dtype, shape, library versions, command line and timestamp. ``EmbeddingWriter``
+appends rows as they are computed and writes the final ``.npy`` header on close, so output
+size is not bounded by memory either.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shlex
+import struct
+import sys
+from collections.abc import Iterable, Iterator
+from importlib import metadata as _metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TEXT_SUFFIXES = (".txt",)
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+DEFAULT_FIELD = "text"
+SIDECAR_FORMAT = "moee-embeddings/1"
+
+
+# ----------------------------------------------------------------------------------------
+# reading texts
+# ----------------------------------------------------------------------------------------
+def input_format(path: str | Path) -> str:
+    """``"txt"``, ``"jsonl"`` or ``"parquet"`` from the file suffix, else ``ValueError``."""
+    suffix = Path(path).suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        return "txt"
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    supported = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)
+    raise ValueError(
+        f"unsupported input file type {suffix or '(none)'!r} for {path}; expected one of: {supported}"
+    )
+
+
+def read_texts(path: str | Path, *, field: str | None = None) -> Iterator[str]:
+    """Yield the texts of ``path`` in file order, lazily (see the module doc for the rules).
+
+    ``field`` names the JSON key / parquet column (default ``"text"``); it is an error for
+    ``.txt`` files, where it would be ignored.
+    """
+    path = Path(path)
+    fmt = input_format(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file not found: {path}")
+    if fmt == "txt":
+        if field is not None:
+            raise ValueError(f"--field/field applies to .jsonl and .parquet inputs, not {path.name}")
+        return _read_txt(path)
+    if fmt == "jsonl":
+        return _read_jsonl(path, field or DEFAULT_FIELD)
+    return _read_parquet(path, field or DEFAULT_FIELD)
+
+
+def _read_txt(path: Path) -> Iterator[str]:
+    n = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):  # binary iteration splits on b"\n" only
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            try:
+                yield line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if n == 0:
+        raise ValueError(f"{path} is empty: no texts to read")
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    n = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                raise ValueError(f"{path}:{n}: blank line; every line of a .jsonl file must be a JSON object")
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{path}:{n}: invalid JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
+            if field not in record:
+                keys = ", ".join(map(repr, record)) or "none"
+                raise ValueError(f"{path}:{n}: no field {field!r} (keys: {keys}); choose one with --field")
+            value = record[field]
+            if not isinstance(value, str):
+                raise TypeError(f"{path}:{n}: field {field!r} must be a string, got {type(value).__name__}")
+            yield value
+    if n == 0:
+        raise ValueError(f"{path} is empty: no texts to read")
+
+
+def _read_parquet(path: Path, field: str, batch_rows: int = 8192) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - pyarrow ships with the default install
+        raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from exc
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ValueError(
+            f"{path}: no column {field!r} (columns: {', '.join(names)}); choose one with --field"
+        )
+    col_type = pf.schema_arrow.field(field).type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)
+    if not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or is_view(col_type)):
+        raise TypeError(f"{path}: column {field!r} must hold strings, it has type {col_type}")
+    if pf.metadata.num_rows == 0:
+        raise ValueError(f"{path} is empty: no texts to read")
+    row = 0
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=[field]):
+        values = batch.column(0).to_pylist()
+        for value in values:
+            if value is None:
+                raise ValueError(f"{path}: row {row} of column {field!r} is null")
+            yield value
+            row += 1
+
+
+def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Group an iterable into lists of ``size`` (the last may be shorter), lazily."""
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------------------
+# metadata
+# ----------------------------------------------------------------------------------------
+def sidecar_path(path: str | Path) -> Path:
+    """``emb.npy`` -> ``emb.npy.json`` (the same convention as saved faiss indexes)."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of the libraries that determine the numbers (read without importing them)."""
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for dist in ("moee", "torch", "transformers", "numpy", "mteb", "faiss-cpu", "faiss-gpu-cu12"):
+        try:
+            out[dist] = _metadata.version(dist)
+        except _metadata.PackageNotFoundError:
+            if dist == "moee":
+                from moee import __version__
+
+                out[dist] = __version__
+            elif not dist.startswith("faiss"):
+                out[dist] = None
+    return out
+
+
+def run_metadata(command: list[str] | None = None) -> dict[str, Any]:
+    """Versions, the command line (shell-quoted) and a UTC timestamp, for any result file."""
+    argv = list(sys.argv if command is None else command)
+    return {
+        "versions": package_versions(),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def write_json_atomic(path: str | Path, data: dict[str, Any]) -> Path:
+    """Write JSON via a temporary file and rename, so readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# embedding files
+# ----------------------------------------------------------------------------------------
+_NPY_HEADER_BYTES = 128  # fixed, so the shape can be rewritten in place on close
+
+
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """A .npy v1.0 header padded to a fixed size (valid npy: spaces before the newline)."""
+    desc = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    text = repr(desc).encode("latin1")
+    prefix = b"\x93NUMPY\x01\x00"
+    body_len = _NPY_HEADER_BYTES - len(prefix) - 2
+    if len(text) + 1 > body_len:
+        raise ValueError(f"shape {shape} too large for the .npy header")
+    return prefix + struct.pack("<H", body_len) + text + b" " * (body_len - len(text) - 1) + b"\n"
+
+
+class EmbeddingWriter:
+    """Append float32 rows to ``path`` (.npy) as they are computed; ``close`` finalises.
+
+    Rows go to ``<path>.partial`` and the file is renamed into place (then the sidecar is
+    written) only on a successful ``close``: an existing ``path`` with its sidecar is always
+    complete, which is what resuming a crashed sharded run relies on.
+    """
+
+    def __init__(self, path: str | Path, *, dim: int | None = None) -> None:
+        self.path = Path(path)
+        if self.path.suffix != ".npy":
+            raise ValueError(f"embeddings are written as .npy; got output path {self.path}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.dim = dim
+        self.rows = 0
+        self._file = open(self.partial, "wb")
+        self._file.write(_npy_header((0, dim or 0), np.dtype(np.float32)))
+
+    def write(self, rows: np.ndarray) -> None:
+        rows = np.asarray(rows)
+        if rows.ndim != 2:
+            raise ValueError(f"embedding rows must be 2-D [n, dim], got shape {rows.shape}")
+        if self.dim is None:
+            self.dim = rows.shape[1]
+        elif rows.shape[1] != self.dim:
+            raise ValueError(f"embedding rows have dimension {rows.shape[1]}, earlier rows had {self.dim}")
+        self._file.write(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
+        self.rows += rows.shape[0]
+
+    def close(self, metadata: dict[str, Any] | None = None) -> Path:
+        """Fix the header, move the file into place and write the sidecar; returns the path."""
+        self._file.seek(0)
+        self._file.write(_npy_header((self.rows, self.dim or 0), np.dtype(np.float32)))
+        self._file.close()
+        os.replace(self.partial, self.path)
+        write_json_atomic(sidecar_path(self.path), _sidecar(metadata, (self.rows, self.dim or 0)))
+        return self.path
+
+    def abort(self) -> None:
+        """Discard a partial file (after an error)."""
+        if not self._file.closed:
+            self._file.close()
+        self.partial.unlink(missing_ok=True)
+
+    def __enter__(self) -> EmbeddingWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._file.closed:
+            self.close()
+
+
+def _sidecar(metadata: dict[str, Any] | None, shape: tuple[int, int]) -> dict[str, Any]:
+    meta = {"format": SIDECAR_FORMAT, **(metadata or {})}
+    meta["dtype"] = "float32"
+    meta["shape"] = list(shape)
+    meta.setdefault("versions", package_versions())
+    return meta
+
+
+def write_embeddings(
+    path: str | Path, embeddings: np.ndarray, metadata: dict[str, Any] | None = None
+) -> Path:
+    """Write a whole matrix (float32) and its sidecar in one call."""
+    arr = np.asarray(embeddings)
+    if arr.ndim != 2:
+        raise ValueError(f"embeddings must be 2-D [n, dim], got shape {arr.shape}")
+    writer = EmbeddingWriter(path, dim=arr.shape[1])
+    try:
+        writer.write(arr)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close(metadata)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The sidecar of an embeddings file (``FileNotFoundError`` naming it when missing)."""
+    sidecar = sidecar_path(path)
+    if not sidecar.is_file():
+        raise FileNotFoundError(f"sidecar {sidecar} is missing; embeddings files are written by `moee embed`")
+    meta = json.loads(sidecar.read_text())
+    if meta.get("format") != SIDECAR_FORMAT:
+        raise ValueError(f"{sidecar} is not a moee embeddings sidecar (format {meta.get('format')!r})")
+    return meta
+
+
+def read_embeddings(path: str | Path, *, mmap: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
+    """Load ``(embeddings, metadata)``; never unpickles, checks the sidecar's shape."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"embeddings file not found: {path}")
+    meta = read_metadata(path)
+    arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    if list(arr.shape) != list(meta.get("shape", [])):
+        raise ValueError(f"{path} has shape {list(arr.shape)} but its sidecar says {meta.get('shape')}")
+    return arr, meta
+
+
+def npy_shape(path: str | Path) -> tuple[int, ...]:
+    """Shape of a .npy file from its header, without reading the data."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, _ = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, _, _ = np.lib.format.read_array_header_2_0(f)
+    return tuple(shape)
+
+
+__all__ = [
+    "EmbeddingWriter",
+    "batched",
+    "input_format",
+    "npy_shape",
+    "package_versions",
+    "read_embeddings",
+    "read_metadata",
+    "read_texts",
+    "run_metadata",
+    "sidecar_path",
+    "write_embeddings",
+    "write_json_atomic",
+]

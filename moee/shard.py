@@ -1,0 +1,323 @@
+"""Streaming and sharded (multi-process / multi-GPU) embedding of large corpora.
+
+One process (``world == 1``) streams the input in chunks and appends each chunk's vectors
+to the output file, so neither the texts nor the embeddings must fit in memory.
+
+Sharded runs split rows round-robin: process ``rank`` of ``world`` embeds input rows ``i``
+with ``i % world == rank``. Every process streams the whole input (reading is cheap next to
+the model forward) and keeps only its rows. Rank and world come from ``--shard-rank`` /
+``--num-shards`` or from the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` variables that
+``accelerate launch``, ``torchrun`` and most cluster launchers set; no process group is
+needed, processes coordinate through files only:
+
+- ``DIR/manifest.json``: input (path, size, mtime), field, world size and every setting that
+  changes the numbers. A rerun with different ones is refused instead of mixing shards.
+- ``DIR/shard-RRRRR-of-WWWWW.npy`` (+ ``.npy.json`` with ``rows = {start, step, count}``, i.e.
+  input rows ``start, start+step, ...``): written to ``.partial`` and renamed when complete,
+  so after a crash a rerun of the same command skips every complete shard.
+- ``DIR/embeddings.npy`` (+ sidecar): the merge, rows in input order; rank 0 writes it once
+  every shard is complete (or run ``moee embed --merge DIR --out OUT.npy``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moee.io import (
+    EmbeddingWriter,
+    batched,
+    npy_shape,
+    read_metadata,
+    read_texts,
+    run_metadata,
+    sidecar_path,
+    write_json_atomic,
+)
+
+EncodeFn = Callable[[list[str]], np.ndarray]
+MANIFEST = "manifest.json"
+MERGED = "embeddings.npy"
+MANIFEST_FORMAT = "moee-shards/1"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """This process' place in a sharded run."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.rank, self.world)
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def shard_info(rank: int | None = None, world: int | None = None) -> ShardInfo:
+    """Rank and world size from the arguments, else from the launcher's environment."""
+    world = world if world is not None else (_env_int("WORLD_SIZE") or 1)
+    rank = rank if rank is not None else (_env_int("RANK") or 0)
+    if world < 1:
+        raise ValueError(f"number of shards must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"shard rank must be in [0, {world}), got {rank}")
+    local_rank = _env_int("LOCAL_RANK")
+    return ShardInfo(rank=rank, world=world, local_rank=rank if local_rank is None else local_rank)
+
+
+def default_device(info: ShardInfo) -> str | None:
+    """One GPU per local process when GPUs are visible; ``None`` lets the embedder choose."""
+    if info.world == 1:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{info.local_rank % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def shard_name(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}"
+
+
+def select_rows(texts: Iterable[str], rank: int, world: int) -> Iterator[tuple[int, str]]:
+    """``(i, text)`` for the rows with ``i % world == rank``, lazily."""
+    for i, text in enumerate(texts):
+        if i % world == rank:
+            yield i, text
+
+
+# ----------------------------------------------------------------------------------------
+# streaming embedding
+# ----------------------------------------------------------------------------------------
+class _Counter:
+    """Counts every input row, also those other shards own (needed to check the merge)."""
+
+    def __init__(self, items: Iterable[str]) -> None:
+        self.items = items
+        self.count = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def embed_stream(
+    encode: EncodeFn,
+    texts: Iterable[str],
+    out_path: str | Path,
+    metadata: dict[str, Any] | Callable[[int], dict[str, Any]],
+    *,
+    chunk_size: int = 4096,
+    progress: bool | None = None,
+) -> Path:
+    """Embed ``texts`` chunk by chunk into ``out_path`` (.npy + sidecar), in order.
+
+    ``metadata`` may be a callable taking the number of rows written; it is called after the
+    input is exhausted, so it can record facts known only then.
+    """
+    from tqdm.auto import tqdm
+
+    writer = EmbeddingWriter(out_path)
+    try:
+        with tqdm(desc="embedding", unit="text", disable=None if progress is None else not progress) as bar:
+            for chunk in batched(texts, chunk_size):
+                vectors = encode(chunk)
+                if len(vectors) != len(chunk):
+                    raise ValueError(f"encoder returned {len(vectors)} rows for {len(chunk)} texts")
+                writer.write(vectors)
+                bar.update(len(chunk))
+        meta = metadata(writer.rows) if callable(metadata) else metadata
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close(meta)
+
+
+# ----------------------------------------------------------------------------------------
+# sharded runs
+# ----------------------------------------------------------------------------------------
+def input_fingerprint(path: str | Path) -> dict[str, Any]:
+    """Identify an input file cheaply (resolved path, size, modification time)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _check_or_write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    path = out_dir / MANIFEST
+    if path.is_file():
+        existing = json.loads(path.read_text())
+        if existing != manifest:
+            diff = sorted(k for k in set(existing) | set(manifest) if existing.get(k) != manifest.get(k))
+            raise ValueError(
+                f"{out_dir} holds shards of a different run ({', '.join(diff)} differ); "
+                "use a new output directory or delete the old one"
+            )
+        return
+    write_json_atomic(path, manifest)  # every rank writes the same content; last rename wins
+
+
+def shard_is_complete(out_dir: str | Path, rank: int, world: int) -> bool:
+    """True when the shard's .npy and sidecar both exist and agree."""
+    npy = Path(out_dir) / f"{shard_name(rank, world)}.npy"
+    if not (npy.is_file() and sidecar_path(npy).is_file()):
+        return False
+    try:
+        meta = read_metadata(npy)
+        return meta.get("complete") is True and npy_shape(npy)[0] == meta["rows"]["count"]
+    except (ValueError, KeyError, OSError):
+        return False
+
+
+def prepare_shard_dir(
+    out_dir: str | Path,
+    input_path: str | Path,
+    info: ShardInfo,
+    settings: dict[str, Any],
+    *,
+    field: str | None = None,
+) -> bool:
+    """Create or check ``out_dir``'s manifest; True when this process' shard is already complete.
+
+    A manifest of a different run (other input, field, world size or settings) is an error:
+    resuming must never mix shards computed differently.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "input": input_fingerprint(input_path),
+        "field": field,
+        "world": info.world,
+        "settings": settings,
+    }
+    _check_or_write_manifest(out_dir, manifest)
+    return shard_is_complete(out_dir, info.rank, info.world)
+
+
+def embed_shard(
+    encode: EncodeFn,
+    input_path: str | Path,
+    out_dir: str | Path,
+    info: ShardInfo,
+    settings: dict[str, Any],
+    *,
+    field: str | None = None,
+    chunk_size: int = 4096,
+    metadata: dict[str, Any] | None = None,
+    progress: bool | None = None,
+) -> Path | None:
+    """Embed this process' rows of ``input_path`` into ``out_dir``; ``None`` if already done.
+
+    ``settings`` (everything that changes the numbers) goes into the manifest and every
+    sidecar; ``metadata`` adds sidecar-only facts (resolved model path, batch size).
+    """
+    if prepare_shard_dir(out_dir, input_path, info, settings, field=field):
+        return None
+    npy = Path(out_dir) / f"{info.name}.npy"
+    sidecar_path(npy).unlink(missing_ok=True)  # a stale sidecar must never describe the new rows
+    counter = _Counter(read_texts(input_path, field=field))
+    own = (text for _, text in select_rows(counter, info.rank, info.world))
+    meta: dict[str, Any] = {**settings, **(metadata or {}), **run_metadata(), "shard": info.name}
+
+    def finish(count: int) -> dict[str, Any]:
+        rows = {"start": info.rank, "step": info.world, "count": count}
+        return {**meta, "input_rows": counter.count, "rows": rows, "complete": True}
+
+    return embed_stream(encode, own, npy, finish, chunk_size=chunk_size, progress=progress)
+
+
+def wait_for_shards(out_dir: str | Path, world: int, *, timeout: float, poll: float = 2.0) -> None:
+    """Block until every shard of ``world`` is complete, or raise ``TimeoutError``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [r for r in range(world) if not shard_is_complete(out_dir, r, world)]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"shards {missing} of {world} in {out_dir} are not complete after {timeout:.0f} s; "
+                f"rerun the same command to resume them, then `moee embed --merge {out_dir} --out OUT.npy`"
+            )
+        time.sleep(poll)
+
+
+def merge_shards(
+    out_dir: str | Path, out_path: str | Path | None = None, *, command: list[str] | None = None
+) -> Path:
+    """Interleave the shards of ``out_dir`` back into input order in ``out_path``."""
+    out_dir = Path(out_dir)
+    manifest_path = out_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path} not found: {out_dir} is not a sharded embedding directory")
+    manifest = json.loads(manifest_path.read_text())
+    world = manifest["world"]
+    incomplete = [r for r in range(world) if not shard_is_complete(out_dir, r, world)]
+    if incomplete:
+        raise ValueError(f"cannot merge {out_dir}: shards {incomplete} of {world} are missing or incomplete")
+    paths = [out_dir / f"{shard_name(r, world)}.npy" for r in range(world)]
+    metas = [read_metadata(p) for p in paths]
+    totals = {m["input_rows"] for m in metas}
+    if len(totals) != 1:
+        raise ValueError(f"shards disagree on the number of input rows: {sorted(totals)}")
+    n = totals.pop()
+    dims = {npy_shape(p)[1] for p, m in zip(paths, metas) if m["rows"]["count"] > 0}
+    if len(dims) != 1:
+        raise ValueError(f"shards disagree on the embedding dimension: {sorted(dims)}")
+    dim = dims.pop()
+    for r, m in enumerate(metas):
+        expected = len(range(r, n, world))
+        if m["rows"] != {"start": r, "step": world, "count": expected}:
+            raise ValueError(
+                f"shard {r} holds rows {m['rows']}, expected {expected} rows from {r} step {world}"
+            )
+
+    out_path = Path(out_path) if out_path is not None else out_dir / MERGED
+    if out_path.suffix != ".npy":
+        raise ValueError(f"merged embeddings are written as .npy; got {out_path}")
+    partial = out_path.with_name(out_path.name + ".partial")
+    merged = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
+    for r, p in enumerate(paths):
+        if metas[r]["rows"]["count"]:
+            merged[r::world] = np.load(p, mmap_mode="r", allow_pickle=False)
+    merged.flush()
+    del merged
+    os.replace(partial, out_path)
+    keep = {k: v for k, v in metas[0].items() if k not in ("shard", "rows", "complete", "shape", "format")}
+    meta = {
+        **keep,
+        **run_metadata(),
+        "input": manifest["input"],
+        "field": manifest["field"],
+        "merged_from": {
+            "directory": str(out_dir.resolve()),
+            "shards": world,
+            "shard_commands": metas[0]["command"],
+        },
+        "dtype": "float32",
+        "shape": [n, dim],
+        "format": metas[0]["format"],
+    }
+    write_json_atomic(sidecar_path(out_path), meta)
+    return out_path

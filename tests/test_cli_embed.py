@@ -1,0 +1,229 @@
+"""`moee embed` and `moee search` end to end with a tiny randomly initialised OLMoE on disk."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moee.capture.tiny import tiny_model, tiny_tokenizer
+from moee.cli import main
+from moee.embed.embedder import MoEEmbedder
+from moee.io import read_embeddings, sidecar_path
+
+TEXTS = [
+    "the cat sat on the mat",
+    "a dog ran under the tree",
+    "",
+    'the "big" red house',
+    "music and science",
+    "the sun over the river",
+    "rain at night",
+]
+
+
+def save_tiny_olmoe(path):
+    """A tiny random OLMoE + word-level tokenizer saved like a hub checkpoint."""
+    tiny_model("olmoe", n_layers=2).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_olmoe(tmp_path_factory.mktemp("tiny-olmoe")))
+
+
+@pytest.fixture(scope="module")
+def embedder(model_dir):
+    return MoEEmbedder.from_pretrained(model_dir, device="cpu")
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(TEXTS) + "\n")
+    return path
+
+
+def test_embed_txt_matches_python_api(tmp_path, corpus, model_dir, embedder):
+    out = tmp_path / "e.npy"
+    argv = ["embed", str(corpus), "--model", model_dir, "--out", str(out), "--prompt", "prompteol"]
+    assert main([*argv, "--alpha", "0.5", "--device", "cpu", "--chunk-size", "3", "--batch-size", "2"]) == 0
+    arr, meta = read_embeddings(out)
+    expected = embedder.encode(TEXTS, prompt="prompteol", alpha=0.5)
+    assert arr.shape == expected.shape == (len(TEXTS), 64 + 2 * 8)
+    np.testing.assert_allclose(arr, expected, atol=1e-5)
+    assert meta["model"] == model_dir and meta["method"] == "moee_sum" and meta["pooling"] == "last"
+    assert meta["prompt"] == "prompteol" and meta["prompt_template"].startswith("This sentence :")
+    assert meta["score"] == "softmax" and meta["alpha"] == 0.5 and meta["normalize"] is True
+    assert meta["dtype"] == "float32" and meta["shape"] == [len(TEXTS), 80]
+    assert {"torch", "transformers", "moee"} <= set(meta["versions"])
+    assert meta["command"] and meta["timestamp"] and meta["batch_size"] == 2
+
+
+@pytest.mark.parametrize("method", ["hs", "rw", "moee_concat"])
+def test_embed_methods_and_jsonl_field(tmp_path, model_dir, embedder, method):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(TEXTS)))
+    out = tmp_path / "e.npy"
+    argv = [
+        "embed",
+        str(path),
+        "--field",
+        "body",
+        "--model",
+        model_dir,
+        "--out",
+        str(out),
+        "--method",
+        method,
+    ]
+    assert main([*argv, "--pooling", "mean", "--device", "cpu"]) == 0
+    arr, meta = read_embeddings(out)
+    np.testing.assert_allclose(arr, embedder.encode(TEXTS, method=method, pooling="mean"), atol=1e-5)
+    assert meta["field"] == "body" and meta["pooling"] == "mean"
+
+
+def test_embed_parquet(tmp_path, model_dir, embedder):
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), path)
+    out = tmp_path / "e.npy"
+    assert main(["embed", str(path), "--model", model_dir, "--out", str(out), "--device", "cpu"]) == 0
+    np.testing.assert_allclose(np.load(out), embedder.encode(TEXTS), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--prompt", "prompt_eol"], "unknown prompt 'prompt_eol'"),
+        (["--alpha", "-1"], "alpha must be >= 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--field", "text"], "field applies to .jsonl and .parquet"),
+    ],
+)
+def test_embed_bad_arguments(tmp_path, corpus, model_dir, capsys, extra, message):
+    out = tmp_path / "e.npy"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_embed_bad_inputs(tmp_path, model_dir, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["embed", str(empty), "--model", model_dir, "--out", str(tmp_path / "e.npy")]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert not list(tmp_path.glob("e.npy*"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    assert main(["embed", str(bad), "--model", model_dir, "--out", str(tmp_path / "e.npy")]) == 2
+    assert "bad.jsonl:2: no field 'text'" in capsys.readouterr().err
+    assert main(["embed", str(tmp_path / "none.txt"), "--out", str(tmp_path / "e.npy")]) == 2
+    assert "input file not found" in capsys.readouterr().err
+    good = tmp_path / "good.txt"
+    good.write_text("a\n")
+    assert main(["embed", str(good), "--model", model_dir, "--out", str(tmp_path / "e.bin")]) == 2
+    assert "--out must be a .npy file" in capsys.readouterr().err
+    assert main(["embed", "--out", str(tmp_path / "e.npy")]) == 2
+    assert "INPUT is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["embed", str(good), "--out", str(tmp_path / "e.npy"), "--method", "mean"])
+
+
+def test_search_finds_the_query_text(tmp_path, corpus, model_dir, capsys):
+    emb = tmp_path / "corpus.npy"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(emb), "--prompt", "prompteol"]) == 0
+    capsys.readouterr()
+    queries = tmp_path / "q.txt"
+    queries.write_text("rain at night\n")
+    argv = ["search", "--embeddings", str(emb), "--texts", str(corpus), "--query", TEXTS[0]]
+    index_path = tmp_path / "corpus.faiss"
+    assert (
+        main([*argv, "--query-file", str(queries), "-k", "3", "--json", "--save-index", str(index_path)]) == 0
+    )
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [entry["query"] for entry in lines] == [TEXTS[0], "rain at night"]
+    # the sidecar's model/method/prompt embed the query, so a corpus text finds itself first
+    assert lines[0]["results"][0] == {
+        "rank": 1,
+        "id": 0,
+        "score": pytest.approx(1.0, abs=1e-4),
+        "text": TEXTS[0],
+    }
+    assert lines[1]["results"][0]["id"] == 6
+    assert [r["rank"] for r in lines[0]["results"]] == [1, 2, 3]
+    assert index_path.is_file() and sidecar_path(index_path).is_file()
+    # a saved index gives the same answer; plain-text output
+    assert main([*argv, "--load-index", str(index_path), "-k", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"query: {TEXTS[0]}\n") and f"[0]  {TEXTS[0]}" in out
+
+
+def test_search_errors(tmp_path, corpus, model_dir, capsys):
+    emb = tmp_path / "corpus.npy"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(emb), "--method", "hs"]) == 0
+    other = tmp_path / "other.txt"
+    other.write_text("only\ntwo\n")
+    argv = ["search", "--embeddings", str(emb), "--query", "cat"]
+    assert main([*argv, "--texts", str(other)]) == 2
+    assert "has 2 texts but the embeddings have 7 rows" in capsys.readouterr().err
+    assert main(["search", "--embeddings", str(emb), "--texts", str(corpus)]) == 2
+    assert "at least one --query" in capsys.readouterr().err
+    assert main([*argv, "--texts", str(corpus), "-k", "0"]) == 2
+    assert "-k must be >= 1" in capsys.readouterr().err
+    np.save(tmp_path / "bare.npy", np.zeros((7, 4), np.float32))
+    assert (
+        main(["search", "--embeddings", str(tmp_path / "bare.npy"), "--texts", str(corpus), "--query", "x"])
+        == 2
+    )
+    assert "sidecar" in capsys.readouterr().err
+
+
+def test_prompt_none_and_relative_model_path(tmp_path, corpus, model_dir, embedder, monkeypatch, capsys):
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(model_dir, work / "m")
+    monkeypatch.chdir(work)
+    out = tmp_path / "e.npy"
+    assert (
+        main(["embed", str(corpus), "--model", "m", "--out", str(out), "--prompt", "none", "--method", "rw"])
+        == 0
+    )
+    arr, meta = read_embeddings(out)
+    assert meta["prompt"] is None and meta["prompt_template"] is None and meta["model"] == "m"
+    assert meta["model_resolved"] == str((work / "m").resolve())
+    np.testing.assert_allclose(arr, embedder.encode(TEXTS, method="rw"), atol=1e-5)
+    # search from elsewhere still finds the model through the recorded absolute path
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "search",
+        "--embeddings",
+        str(out),
+        "--texts",
+        str(corpus),
+        "--query",
+        TEXTS[4],
+        "-k",
+        "1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["id"] == 4
+
+
+def test_device_map_and_quantization_options(tmp_path, corpus, model_dir, embedder, capsys):
+    import importlib.util
+
+    out = tmp_path / "e.npy"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--device-map", "auto"]) == 0
+    np.testing.assert_allclose(np.load(out), embedder.encode(TEXTS), atol=1e-5)
+    assert read_embeddings(out)[1]["load_in_4bit"] is False
+    argv = ["embed", str(corpus), "--model", model_dir, "--out", str(tmp_path / "f.npy")]
+    assert main([*argv, "--device", "cpu", "--device-map", "auto"]) == 2
+    assert "either --device or --device-map" in capsys.readouterr().err
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert main([*argv, "--load-in-4bit"]) == 2
+        assert "--load-in-4bit needs bitsandbytes" in capsys.readouterr().err
