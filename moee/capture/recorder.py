@@ -1,0 +1,274 @@
+"""RoutingRecorder: forward hooks that keep only what the pooling needs.
+
+Usage (what :class:`moee.embed.embedder.MoEEmbedder` does)::
+
+    with RoutingRecorder(model, pooling="last", score="softmax") as rec:
+        rec.set_batch(attention_mask)
+        model(input_ids=..., attention_mask=attention_mask)
+        rw = rec.pooled_rw()      # [B, n_moe_layers, n_experts] float32
+        hs = rec.pooled_hs()      # [B, hidden] float32 (final-norm output)
+
+Why hooks pool: ``output_router_logits=True`` / ``output_hidden_states=True`` keep every layer's
+``[B*T, E]`` logits and ``[B, T, d]`` states until the forward returns, so memory grows with the
+sequence length. Here each hook reduces its tensor at once to ``[B, E]`` (or ``[B, d]``), so the
+recorder's memory is independent of the length (``pooling="tokens"`` is the exception by design:
+it exists to give token-level routes).
+
+Padding: ``set_batch(attention_mask)`` works for left and right padding; "last" is the last position
+whose mask is 1, "mean" averages the real positions only (``torch.where``, so NaN produced at padded
+positions by fully masked attention rows cannot leak in). Routers may see ``[B*T, d]`` or
+``[B, T, d]`` inputs; their logits are reshaped to ``[B, T, E]`` using the batch shape.
+
+Hooks are removed in ``__exit__``, also when the forward raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from moee.capture.registry import RouterSpec, _decoder_layers, apply_score, backbone, find_routers
+
+__all__ = ["RoutingRecorder", "POOLINGS", "SCORES"]
+
+POOLINGS = ("last", "mean", "tokens")
+SCORES = ("softmax", "native", "logits")
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    for key in ("hidden_states", "x", "input"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _projection(module: nn.Module, n_experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The router's own ``[n_experts, hidden]`` weight (and bias), to recompute full logits."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == n_experts:
+        bias = getattr(module, "bias", None)
+        return weight, bias if isinstance(bias, torch.Tensor) else None
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == n_experts]
+    if len(linears) != 1:
+        raise RuntimeError(
+            f"cannot recompute the logits of {type(module).__name__}: no unique [hidden -> {n_experts}] projection"
+        )
+    return linears[0].weight, linears[0].bias
+
+
+class RoutingRecorder:
+    """Context manager that records pooled routing distributions and hidden states.
+
+    ``routers`` defaults to :func:`moee.capture.registry.find_routers(model)`. ``pooling`` is
+    ``"last"`` (last real token), ``"mean"`` (masked mean over real tokens, of the *scores*, e.g.
+    the mean of the per-token softmax) or ``"tokens"`` (keep every token; hidden states are then
+    pooled as "last"). ``score`` is ``"softmax"``, ``"native"`` or ``"logits"`` (see the registry).
+    ``hs_layers=True`` also pools every decoder layer's output (for the paper's all-layers HS).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        routers: Sequence[RouterSpec] | None = None,
+        *,
+        pooling: str = "last",
+        score: str = "softmax",
+        hs_layers: bool = False,
+    ) -> None:
+        if pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {pooling!r}; expected one of: {', '.join(POOLINGS)}")
+        if score not in SCORES:
+            raise ValueError(f"unknown score {score!r}; expected one of: {', '.join(SCORES)}")
+        self.model = model
+        self.routers = list(routers) if routers is not None else find_routers(model)
+        if not self.routers:
+            raise ValueError(f"no MoE router found in {type(model).__name__}")
+        self.pooling = pooling
+        self.score = score
+        self.hs_layers = hs_layers
+        self.layers = [r.name for r in self.routers]
+        self._hs_module = backbone(model)
+        self._layer_modules = [m for _, m in _decoder_layers(model)] if hs_layers else []
+        if hs_layers and not self._layer_modules:
+            raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for hs_layers=True")
+        self._handles: list = []
+        self._mask: torch.Tensor | None = None
+        self._reset()
+
+    # ---------------------------------------------------------------- context management
+    def __enter__(self) -> RoutingRecorder:
+        try:
+            for i, spec in enumerate(self.routers):
+                self._handles.append(
+                    spec.module.register_forward_hook(self._router_hook(i, spec), with_kwargs=True)
+                )
+            self._handles.append(self._hs_module.register_forward_hook(self._final_hook))
+            for j, layer in enumerate(self._layer_modules):
+                self._handles.append(layer.register_forward_hook(self._layer_hook(j)))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove every hook this recorder installed (idempotent)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    # ---------------------------------------------------------------- batch state
+    def _reset(self) -> None:
+        self._rw: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._hs: torch.Tensor | None = None
+        self._hs_layers: list[torch.Tensor | None] = [None] * len(self._layer_modules)
+
+    def set_batch(self, attention_mask: torch.Tensor) -> None:
+        """Declare the next forward's ``attention_mask [B, T]`` (1 = real token); clears the last batch."""
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a [batch, seq_len] tensor")
+        mask = attention_mask.bool()
+        lengths = mask.sum(dim=1)
+        if bool((lengths == 0).any()):
+            raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
+        seq_len = mask.shape[1]
+        # Index of the last real token: works for left padding, right padding and no padding.
+        self._last = (seq_len - 1 - mask.flip(dims=[1]).long().argmax(dim=1)).long()
+        self._mask = mask
+        self._lengths = lengths.to(torch.float32)
+        self._reset()
+
+    def _require_batch(self) -> torch.Tensor:
+        if self._mask is None:
+            raise RuntimeError("call recorder.set_batch(attention_mask) before the forward pass")
+        return self._mask
+
+    # ---------------------------------------------------------------- pooling
+    def _pool(self, values: torch.Tensor) -> torch.Tensor:
+        """Pool ``[B, T, D]`` float32 values to ``[B, D]`` (tokens pooling pools like "last")."""
+        mask = self._mask.to(values.device)
+        if self.pooling == "mean":
+            kept = torch.where(
+                mask.unsqueeze(-1), values, torch.zeros((), dtype=values.dtype, device=values.device)
+            )
+            return kept.sum(dim=1) / self._lengths.to(values.device).unsqueeze(-1)
+        rows = torch.arange(values.shape[0], device=values.device)
+        return values[rows, self._last.to(values.device)]
+
+    def _as_btx(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        batch, seq_len = self._mask.shape
+        if tensor.numel() % (batch * seq_len) != 0 or (
+            tensor.dim() >= 2 and tensor.shape[0] not in (batch, batch * seq_len)
+        ):
+            raise RuntimeError(
+                f"{what}: got a tensor of shape {tuple(tensor.shape)} for a batch of {batch}x{seq_len} tokens"
+            )
+        return tensor.reshape(batch, seq_len, -1)
+
+    # ---------------------------------------------------------------- hooks
+    def _router_hook(self, i: int, spec: RouterSpec):
+        score, rule, router = self.score, spec.rule, spec.router
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            self._require_batch()
+            with torch.no_grad():
+                logits = None
+                if not spec.from_input:
+                    out = output
+                    if isinstance(output, (tuple, list)) and spec.logits_index is not None:
+                        out = output[spec.logits_index]
+                    if isinstance(out, torch.Tensor) and out.shape[-1] == spec.n_experts:
+                        logits = out
+                if logits is None:  # top-k-only outputs and pattern routers: recompute from the input
+                    x = _first_tensor(args, kwargs)
+                    weight, bias = _projection(module, spec.n_experts)
+                    logits = nn.functional.linear(x.to(weight.dtype), weight, bias)
+                logits = self._as_btx(logits.detach().float(), spec.name)
+                if logits.shape[-1] != spec.n_experts:
+                    raise RuntimeError(
+                        f"{spec.name}: expected {spec.n_experts} router logits per token, got {logits.shape[-1]}"
+                    )
+                if self._rw[i] is not None:
+                    raise RuntimeError(
+                        f"router {spec.name} ran twice in one forward pass; call set_batch() before each forward"
+                    )
+                if self.pooling == "tokens":
+                    self._rw[i] = apply_score(logits, score, rule, router)
+                elif self.pooling == "last":
+                    self._rw[i] = apply_score(self._pool(logits), score, rule, router)
+                else:
+                    self._rw[i] = self._pool(apply_score(logits, score, rule, router))
+
+        return hook
+
+    def _final_hook(self, module: nn.Module, args: tuple, output) -> None:
+        self._require_batch()
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if not isinstance(hidden, torch.Tensor):
+            raise RuntimeError(f"{type(module).__name__} returned no last_hidden_state tensor")
+        with torch.no_grad():
+            self._hs = self._pool(self._as_btx(hidden.detach().float(), "last_hidden_state"))
+
+    def _layer_hook(self, j: int):
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            self._require_batch()
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            with torch.no_grad():
+                self._hs_layers[j] = self._pool(self._as_btx(hidden.detach().float(), f"decoder layer {j}"))
+
+        return hook
+
+    # ---------------------------------------------------------------- results
+    def _check_complete(self) -> None:
+        missing = [self.routers[i].name for i, t in enumerate(self._rw) if t is None]
+        if missing:
+            raise RuntimeError(
+                f"no routing was recorded for {len(missing)} router(s) ({missing[0]} ...): "
+                "run the forward pass inside the `with` block after set_batch()"
+            )
+
+    def pooled_rw(self) -> torch.Tensor:
+        """``[B, n_moe_layers, n_experts]`` float32 on the CPU, layers in model order."""
+        if self.pooling == "tokens":
+            raise RuntimeError('pooling="tokens" records token routes; use token_rw()')
+        self._check_complete()
+        return torch.stack([t.cpu() for t in self._rw], dim=1)
+
+    def token_rw(self) -> torch.Tensor:
+        """``[B, T, n_moe_layers, n_experts]`` float32 on the CPU (``pooling="tokens"`` only)."""
+        if self.pooling != "tokens":
+            raise RuntimeError('token_rw() needs pooling="tokens"')
+        self._check_complete()
+        return torch.stack([t.cpu() for t in self._rw], dim=2)
+
+    def pooled_hs(self) -> torch.Tensor:
+        """``[B, hidden]`` float32 on the CPU: the final-norm hidden state, pooled."""
+        if self._hs is None:
+            raise RuntimeError("no hidden state recorded: run the forward pass inside the `with` block")
+        return self._hs.cpu()
+
+    def pooled_hs_all_layers(self) -> torch.Tensor:
+        """``[B, n_layers, hidden]`` float32: each decoder layer's output, pooled (``hs_layers=True``)."""
+        if not self.hs_layers:
+            raise RuntimeError("pooled_hs_all_layers() needs RoutingRecorder(..., hs_layers=True)")
+        if any(t is None for t in self._hs_layers):
+            raise RuntimeError(
+                "no per-layer hidden states recorded: run the forward pass inside the `with` block"
+            )
+        return torch.stack([t.cpu() for t in self._hs_layers], dim=1)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the tensors the recorder currently keeps (what the capture-memory benchmark reports)."""
+        kept = [t for t in (*self._rw, self._hs, *self._hs_layers) if t is not None]
+        return sum(t.numel() * t.element_size() for t in kept)

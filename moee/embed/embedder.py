@@ -1,0 +1,415 @@
+"""MoEEmbedder: HS, RW and MoEE embeddings from one forward pass of a Mixture-of-Experts LM.
+
+What happens in ``encode`` / ``trace``:
+
+1. texts are checked (``moee.embed.validation``) and rendered with the prompt
+   (``moee.embed.prompts``);
+2. they are tokenized once, **sorted by length** and cut into batches (little padding), each batch
+   **left padded** with explicit ``position_ids`` (positions count real tokens only, so a text gets
+   the same positions whatever it is batched with);
+3. one forward of the backbone (no LM head) under ``torch.inference_mode`` inside a
+   :class:`moee.capture.RoutingRecorder`, whose hooks keep only the pooled routing and hidden
+   state per text;
+4. rows are put back in input order and ``moee.embed.methods.combine`` builds the vectors, row by
+   row (no batch statistics): a text gets the same vector in any batch, order, padding or batch size.
+
+Deliberate behaviour:
+
+* **Empty texts** are kept: a text that tokenizes to nothing (e.g. ``""`` with a tokenizer that adds
+  no BOS) is encoded as the single token BOS (EOS if there is no BOS, else the pad token), so its
+  row is a well-defined, text-independent vector. With a prompt, ``""`` is just the prompt.
+* **Long texts** are truncated to the model's maximum length (the smaller of the tokenizer's
+  ``model_max_length`` and the config's ``max_position_embeddings``) on the tokenizer's
+  ``truncation_side`` (right by default), with one warning saying how many texts were truncated.
+* No row is ever dropped or reordered.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from moee.capture.recorder import RoutingRecorder
+from moee.capture.registry import backbone, find_routers
+from moee.embed.methods import METHODS, POOLINGS, SCORES, combine, output_dim
+from moee.embed.prompts import render_prompts, resolve_prompt
+from moee.embed.validation import check_alpha, check_choice, check_positive_int, check_texts
+
+__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR"]
+
+logger = logging.getLogger(__name__)
+
+#: The bundled default model (a separate issue trains and ships it).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
+
+#: Inputs with more texts than this get a progress bar when ``show_progress_bar=None``.
+PROGRESS_BAR_MIN_TEXTS = 256
+
+# Upper bound on a believable tokenizer `model_max_length` (tokenizers use 1e30 for "unset").
+_UNSET_MAX_LENGTH = 10**6
+
+
+@dataclass
+class RoutingTrace:
+    """Pooled routing and hidden states of ``n`` texts, rows in input order.
+
+    ``rw [n, L, E]`` float32: per MoE layer (model order, names in ``layers``) the dense routing
+    scores over all ``E = n_experts`` experts; ``hs [n, hidden]`` float32: the final-norm hidden
+    state; ``hs_all_layers [n, n_layers, hidden]`` every decoder layer's output (``hs_layers=True``),
+    else ``None``.
+    """
+
+    rw: np.ndarray
+    hs: np.ndarray
+    layers: list[str]
+    n_experts: int
+    hs_all_layers: np.ndarray | None = None
+    pooling: str = "last"
+    score: str = "softmax"
+    prompt: str | None = None
+
+
+@dataclass
+class TokenRoutes:
+    """Token-level routes of one text: ``input_ids [T]`` (real tokens), ``probs [T, L, E]`` float32."""
+
+    index: int
+    input_ids: np.ndarray
+    probs: np.ndarray
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+class MoEEmbedder:
+    """Training-free text embeddings from a Mixture-of-Experts causal LM (HS, RW, MoEE).
+
+    ``MoEEmbedder(model, tokenizer)`` wraps a model already loaded (any transformers MoE model that
+    :func:`moee.capture.find_routers` understands; it is put in eval mode, and the tokenizer's padding
+    side is set to left); :meth:`from_pretrained` loads one. ``max_length`` defaults to the model's
+    maximum length. Raises ``ValueError("no MoE router found in <ModelClass>")`` for a model
+    without routers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        max_length: int | None = None,
+        name_or_path: str | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if tokenizer is None or not callable(tokenizer):
+            raise TypeError("tokenizer must be a transformers tokenizer (callable)")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.routers = find_routers(model)
+        sizes = sorted({r.n_experts for r in self.routers})
+        if len(sizes) != 1:
+            raise ValueError(
+                f"{type(model).__name__} has MoE layers with different numbers of experts {sizes}; "
+                "RW needs one expert count per layer"
+            )
+        self.n_experts = sizes[0]
+        self.n_moe_layers = len(self.routers)
+        self.layers = [r.name for r in self.routers]
+        text_config = _text_config(model)
+        self.hidden_size = int(text_config.hidden_size)
+        self.name_or_path = name_or_path or getattr(model, "name_or_path", None) or type(model).__name__
+        self.max_length = (
+            check_positive_int("max_length", max_length)
+            if max_length is not None
+            else self._default_max_length(text_config)
+        )
+        self._backbone = backbone(model)
+        forward = self._backbone.forward
+        self._extra_kwargs = {k: False for k in ("use_cache",) if _accepts(forward, k)}
+        self._pass_positions = _accepts(forward, "position_ids")
+        self._pad_id = self._prepare_pad_token()
+        self._empty_ids = self._empty_text_ids()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        trust_remote_code: bool = False,
+        **hf_kwargs: Any,
+    ) -> MoEEmbedder:
+        """Load a causal LM and its tokenizer with transformers (``dtype``, ``device_map`` and any
+        other keyword are passed through). ``None`` loads the bundled default model."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import moee.moe.lm  # noqa: F401  (registers model_type "moee_lm" with the Auto classes)
+
+        if device is not None and "device_map" in hf_kwargs:
+            raise ValueError("pass either device or device_map, not both")
+        if name_or_path is None:
+            if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"the bundled default model is not installed at {DEFAULT_MODEL_DIR}; "
+                    "pass a model name or a local path to MoEEmbedder.from_pretrained(...)"
+                )
+            name_or_path = DEFAULT_MODEL_DIR
+        name_or_path = str(name_or_path)
+        if dtype is not None:
+            hf_kwargs["dtype"] = dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, trust_remote_code=trust_remote_code, **hf_kwargs
+        )
+        if "device_map" not in hf_kwargs:
+            model.to(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        return cls(model, tokenizer, name_or_path=name_or_path)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _default_max_length(self, text_config) -> int:
+        candidates = [getattr(text_config, "max_position_embeddings", None)]
+        tok_max = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(tok_max, int) and 0 < tok_max < _UNSET_MAX_LENGTH:
+            candidates.append(tok_max)
+        candidates = [int(c) for c in candidates if isinstance(c, int) and c > 0]
+        return min(candidates) if candidates else 2048
+
+    def _prepare_pad_token(self) -> int:
+        """Left padding; a missing pad token becomes EOS (or UNK, else id 0): padded positions are
+        masked, so the choice never changes a vector."""
+        tok = self.tokenizer
+        if hasattr(tok, "padding_side"):
+            tok.padding_side = "left"
+        if getattr(tok, "pad_token_id", None) is None:
+            for name in ("eos_token", "unk_token"):
+                if getattr(tok, name, None) is not None:
+                    tok.pad_token = getattr(tok, name)
+                    break
+        pad = getattr(tok, "pad_token_id", None)
+        return int(pad) if pad is not None else 0
+
+    def _empty_text_ids(self) -> list[int]:
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self.tokenizer, name, None)
+            if isinstance(value, int):
+                return [value]
+        return [self._pad_id]
+
+    @property
+    def device(self) -> torch.device:
+        """Where input batches go; with a ``device_map`` (offloaded layers sit on ``meta``) that is the
+        input embedding's execution device, see :func:`moee.loading.input_device`."""
+        from moee.loading import input_device
+
+        return input_device(self.model)
+
+    def output_dim(self, method: str) -> int:
+        """Width of ``method``'s vectors for this model."""
+        return output_dim(method, self.hidden_size, self.n_moe_layers, self.n_experts)
+
+    # ------------------------------------------------------------------ tokenization and batching
+    def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        encoded = self.tokenizer(
+            list(texts), add_special_tokens=True, truncation=False, return_attention_mask=False, verbose=False
+        )["input_ids"]
+        n_long = 0
+        side = getattr(self.tokenizer, "truncation_side", "right")
+        out = []
+        for ids in encoded:
+            ids = list(ids)
+            if len(ids) > self.max_length:
+                n_long += 1
+                ids = ids[: self.max_length] if side != "left" else ids[-self.max_length :]
+            out.append(ids or list(self._empty_ids))
+        if n_long:
+            warnings.warn(
+                f"{n_long} of {len(out)} texts were longer than {self.max_length} tokens and were "
+                f"truncated ({side} side)",
+                stacklevel=3,
+            )
+        return out
+
+    def _batch_tensors(self, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Left-pad ``seqs`` into input_ids / attention_mask (/ position_ids) on the model device."""
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if self._pass_positions:
+            batch["position_ids"] = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        device = self.device
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> None:
+        self._backbone(**batch, **self._extra_kwargs)
+
+    @staticmethod
+    def _progress(total: int, n_texts: int, show: bool | None, desc: str):
+        from tqdm.auto import tqdm
+
+        if show is None:
+            show = n_texts > PROGRESS_BAR_MIN_TEXTS
+        return tqdm(total=total, disable=not show, desc=desc, unit="text")
+
+    # ------------------------------------------------------------------ public API
+    def trace(
+        self,
+        texts: Sequence[str],
+        *,
+        pooling: str = "last",
+        prompt: str | None = None,
+        score: str = "softmax",
+        hs_layers: bool = False,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+    ) -> RoutingTrace:
+        """Pooled routing weights and hidden states of ``texts`` (rows in input order)."""
+        texts = check_texts(texts)
+        check_choice("pooling", pooling, POOLINGS)
+        check_choice("score", score, SCORES)
+        batch_size = check_positive_int("batch_size", batch_size)
+        template = resolve_prompt(prompt)
+        n = len(texts)
+        rw = np.zeros((n, self.n_moe_layers, self.n_experts), dtype=np.float32)
+        hs = np.zeros((n, self.hidden_size), dtype=np.float32)
+        hs_all = None
+        seqs = self._tokenize(render_prompts(texts, template))
+        order = sorted(range(n), key=lambda i: -len(seqs[i]))  # longest first: memory errors show early
+        with (
+            RoutingRecorder(
+                self.model, self.routers, pooling=pooling, score=score, hs_layers=hs_layers
+            ) as recorder,
+            torch.inference_mode(),
+            self._progress(n, n, show_progress_bar, "moee") as bar,
+        ):
+            for start in range(0, n, batch_size):
+                rows = order[start : start + batch_size]
+                batch = self._batch_tensors([seqs[i] for i in rows])
+                recorder.set_batch(batch["attention_mask"])
+                self._forward(batch)
+                rw[rows] = recorder.pooled_rw().numpy()
+                hs[rows] = recorder.pooled_hs().numpy()
+                if hs_layers:
+                    layer_hs = recorder.pooled_hs_all_layers().numpy()
+                    if hs_all is None:
+                        hs_all = np.zeros((n, *layer_hs.shape[1:]), dtype=np.float32)
+                    hs_all[rows] = layer_hs
+                bar.update(len(rows))
+        if hs_layers and hs_all is None:
+            hs_all = np.zeros((0, 0, self.hidden_size), dtype=np.float32)
+        return RoutingTrace(
+            rw=rw,
+            hs=hs,
+            layers=list(self.layers),
+            n_experts=self.n_experts,
+            hs_all_layers=hs_all,
+            pooling=pooling,
+            score=score,
+            prompt=template,
+        )
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        *,
+        method: str = "moee_sum",
+        pooling: str = "last",
+        prompt: str | None = None,
+        alpha: float = 1.0,
+        score: str = "softmax",
+        batch_size: int = 32,
+        normalize: bool = True,
+        show_progress_bar: bool | None = None,
+    ) -> np.ndarray:
+        """Embed ``texts``: float32 ``[len(texts), dim]``, rows in input order.
+
+        ``method`` is ``hs``, ``rw``, ``moee_concat`` or ``moee_sum`` (see ``moee.embed.methods``);
+        ``pooling`` ``last`` or ``mean``; ``score`` ``softmax`` (the paper's dense softmax),
+        ``native`` or ``logits``; ``prompt`` ``None``, ``"prompteol"``, a stability-prompt name or a
+        template with ``{text}``; ``alpha >= 0`` weighs RW in ``moee_sum``.
+        """
+        texts = check_texts(texts)
+        check_choice("method", method, METHODS)
+        check_alpha(alpha)
+        trace = self.trace(
+            texts,
+            pooling=pooling,
+            prompt=prompt,
+            score=score,
+            batch_size=batch_size,
+            show_progress_bar=show_progress_bar,
+        )
+        if not texts:
+            return np.zeros((0, self.output_dim(method)), dtype=np.float32)
+        return combine(trace.hs, trace.rw, method, alpha=alpha, normalize=normalize)
+
+    def iter_token_routes(
+        self,
+        texts: Sequence[str],
+        *,
+        prompt: str | None = None,
+        score: str = "softmax",
+        batch_size: int = 16,
+    ) -> Iterator[TokenRoutes]:
+        """Token-level routes, one :class:`TokenRoutes` per text in input order.
+
+        Streaming: texts are tokenized and run one batch at a time, so memory is bounded by one
+        batch (``[batch, T, L, E]``) whatever the number of texts.
+        """
+        texts = check_texts(texts)
+        check_choice("score", score, SCORES)
+        batch_size = check_positive_int("batch_size", batch_size)
+        template = resolve_prompt(prompt)
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start : start + batch_size]
+            seqs = self._tokenize(render_prompts(chunk, template))
+            batch = self._batch_tensors(seqs)
+            # Hooks live for one batch only, so nothing stays installed while the caller holds
+            # the generator between items.
+            with (
+                RoutingRecorder(self.model, self.routers, pooling="tokens", score=score) as recorder,
+                torch.inference_mode(),
+            ):
+                recorder.set_batch(batch["attention_mask"])
+                self._forward(batch)
+                routes = recorder.token_rw()
+            width = routes.shape[1]
+            for j, seq in enumerate(seqs):
+                yield TokenRoutes(
+                    index=start + j,
+                    input_ids=np.asarray(seq, dtype=np.int64),
+                    probs=np.ascontiguousarray(routes[j, width - len(seq) :].numpy(), dtype=np.float32),
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"MoEEmbedder({self.name_or_path!r}, moe_layers={self.n_moe_layers}, "
+            f"experts={self.n_experts}, hidden={self.hidden_size})"
+        )
