@@ -189,6 +189,19 @@ def noisy_top_k(
     return probs, weights, indices, load_terms
 
 
+def balance_aux(importance: Tensor, load: Tensor, w_importance: float, w_load: float) -> dict[str, Tensor]:
+    """The Shazeer balancing terms every noisy gate reports: weighted CV^2 losses plus the raw vectors."""
+    imp_loss = w_importance * cv_squared(importance)
+    ld_loss = w_load * cv_squared(load)
+    return {
+        "loss": imp_loss + ld_loss,
+        "importance_loss": imp_loss,
+        "load_loss": ld_loss,
+        "importance": importance,
+        "load": load,
+    }
+
+
 class NoisyTopKGate(nn.Module):
     """Shazeer et al. (2017) noisy top-k gate with importance and load losses.
 
@@ -231,15 +244,7 @@ class NoisyTopKGate(nn.Module):
         probs, weights, indices, load_terms = noisy_top_k(clean, noise_logits, self.k, add_noise)
         importance = probs.sum(0)
         load = load_terms.sum(0)
-        imp_loss = self.w_importance * cv_squared(importance)
-        ld_loss = self.w_load * cv_squared(load)
-        aux = {
-            "loss": imp_loss + ld_loss,
-            "importance_loss": imp_loss,
-            "load_loss": ld_loss,
-            "importance": importance,
-            "load": load,
-        }
+        aux = balance_aux(importance, load, self.w_importance, self.w_load)
         return GateOutput(weights=weights, indices=indices, probs=probs, logits=clean, aux=aux)
 
     def extra_repr(self) -> str:
@@ -334,15 +339,9 @@ class HierarchicalGate(nn.Module):
             torch.zeros_like(load_secondary),
         ).reshape(a * b)
         importance = probs.sum(0)
-        imp_loss = self.w_importance * cv_squared(importance)
-        ld_loss = self.w_load * cv_squared(load)
         logits = (F.log_softmax(clean_p, -1).unsqueeze(-1) + F.log_softmax(clean_s, -1)).reshape(n, a * b)
         aux = {
-            "loss": imp_loss + ld_loss,
-            "importance_loss": imp_loss,
-            "load_loss": ld_loss,
-            "importance": importance,
-            "load": load,
+            **balance_aux(importance, load, self.w_importance, self.w_load),
             "group_counts": group_counts,
             "primary_logits": clean_p,
             "secondary_logits": clean_s,
