@@ -1,0 +1,46 @@
+"""`moee train --config FILE [--resume]`: train the from-scratch MoE language model.
+
+The config format is documented in `moee.moe.trainer` (and moee/moe/README_TRAINING.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train the from-scratch MoE language model from a JSON config",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--config", required=True, help="training config (JSON; see moee/moe/README_TRAINING.md)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.dir"
+    )
+    p.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="checkpoint and stop after this step (schedule unchanged)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moee.moe.trainer import NonFiniteLossError, train
+
+    try:
+        result = train(
+            args.config, resume=args.resume, stop_at_step=args.stop_at_step, progress=not args.no_progress
+        )
+    except NonFiniteLossError as exc:
+        print(f"moee train: error: {exc}", file=sys.stderr)
+        return 3
+    where = f", checkpoint {result.checkpoint}" if result.checkpoint else ""
+    print(f"stopped at step {result.step}{where}")
+    if result.last_eval:
+        print(f"held-out loss {result.last_eval['loss']:.4f}, perplexity {result.last_eval['ppl']:.2f}")
+    return 0

@@ -1,0 +1,298 @@
+"""The sparse MoE layer: a gate, experts stored as 3-D weights, and sort-based dispatch.
+
+Dispatch scales with the number of (token, slot) assignments, not with tokens x experts:
+the N*k assignments are sorted by expert, each expert runs once on its contiguous slice
+(one matmul pair per expert, as in the seeds' `forward_batched`), and the weighted outputs
+are scattered back with `index_add_`. There is no Python loop over tokens and no dense
+`[tokens, experts, capacity]` tensor. Experts whose slice is empty are skipped, so they
+receive exactly zero gradient ("wherever G(x)_i = 0, we need not compute E_i(x)").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+
+# Set to False to force the per-expert loop (tests compare both paths).
+USE_GROUPED_MM = True
+
+
+def _use_grouped_mm(experts: Experts, x: torch.Tensor) -> bool:
+    """torch._grouped_mm (a private op) on CPU for float32; it needs 16-byte aligned row strides."""
+    return (
+        USE_GROUPED_MM
+        and hasattr(torch, "_grouped_mm")
+        and x.device.type == "cpu"
+        and x.dtype == experts.w_in.dtype == torch.float32
+        and experts.d_model % 4 == 0
+        and experts.d_hidden % 4 == 0
+    )
+
+
+class MoEERouter(nn.Module):
+    """Wraps any gate so the module looks like a transformers MoE router.
+
+    transformers' MoE routers (OLMoE, Qwen-MoE, ...) return a tuple whose element 0 is the
+    clean router logits `[N, E]`; `_can_record_outputs["router_logits"]` records that
+    element. Wrapping the gate keeps that contract for every gate in `moee.moe.gates`
+    (all of which return a `GateOutput`), so router capture needs no special case.
+
+    forward(hidden [.., d]) -> (logits [N, E], weights [N, k], indices [N, k], GateOutput)
+    """
+
+    def __init__(self, gate: nn.Module, n_experts: int, k: int):
+        super().__init__()
+        self.gate = gate
+        for sub in gate.modules():
+            # lets an owning PreTrainedModel's _init_weights recognise (and keep) router weights
+            sub._moee_router_part = True
+        self.num_experts = int(n_experts)
+        self.top_k = int(k)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = self.gate(flat)
+        return out.logits, out.weights, out.indices, out
+
+
+class Experts(nn.Module):
+    """`n_experts` independent feed-forward experts stored as 3-D weights.
+
+    `w_in [E, d_model, h]` (`[E, d_model, 2h]` for SwiGLU: gate half then up half) and
+    `w_out [E, h, d_model]`; expert `e` computes `act(x @ w_in[e]) @ w_out[e]`. Storing
+    the experts as two tensors (instead of a ModuleList of Linear layers) keeps the
+    checkpoint compact and lets dispatch index an expert without module overhead.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, d_hidden: int, activation: str = "swiglu"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if min(n_experts, d_model, d_hidden) <= 0:
+            raise ValueError(
+                f"n_experts, d_model and d_hidden must be positive, got {n_experts}, {d_model}, {d_hidden}"
+            )
+        self.n_experts = n_experts
+        self.d_model = d_model
+        self.d_hidden = d_hidden
+        self.activation = activation
+        width = 2 * d_hidden if activation == "swiglu" else d_hidden
+        self.w_in = nn.Parameter(torch.empty(n_experts, d_model, width))
+        self.w_out = nn.Parameter(torch.empty(n_experts, d_hidden, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None) -> None:
+        """Every expert drawn from the same distribution (the seeds: same blueprint, same init)."""
+        std_in = std if std is not None else 1.0 / math.sqrt(self.d_model)
+        std_out = std if std is not None else 1.0 / math.sqrt(self.d_hidden)
+        nn.init.normal_(self.w_in, std=std_in)
+        nn.init.normal_(self.w_out, std=std_out)
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            g, u = h.chunk(2, dim=-1)
+            return F.silu(g) * u
+        if self.activation == "relu":
+            return F.relu(h)
+        return F.gelu(h)
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Run expert `e` on the rows `x [n_e, d_model]` (the per-expert reference path)."""
+        return self._activate(x @ self.w_in[e]) @ self.w_out[e]
+
+    def grouped_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run every expert on its contiguous slice of `x_sorted` (rows sorted by expert).
+
+        Uses torch's grouped matmul (one kernel for all experts) when available, else one
+        matmul pair per non-empty expert. Both give identical results; empty experts are not
+        touched, so their weights get exactly zero gradient.
+        """
+        if _use_grouped_mm(self, x_sorted):
+            offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+            h = self._activate(torch._grouped_mm(x_sorted, self.w_in, offs=offs))
+            return torch._grouped_mm(h, self.w_out, offs=offs)
+        w_in, w_out = self.w_in.unbind(0), self.w_out.unbind(0)
+        pieces = [
+            self._activate(chunk @ w_in[e]) @ w_out[e]
+            for e, chunk in enumerate(torch.split(x_sorted, counts))
+            if counts[e]
+        ]
+        return torch.cat(pieces) if pieces else x_sorted.new_zeros(0, self.d_model)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        slot_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Weighted sum of each row's selected experts: `y_n = sum_j weights[n,j] * E_{indices[n,j]}(x_n)`."""
+        return dispatch_combine(x, weights, indices, self, slot_mask)
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: Experts,
+    slot_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sort (token, slot) pairs by expert, run each expert once on its slice, scatter back.
+
+    x: [N, d]; weights, indices: [N, k]; slot_mask [N, k] (bool, optional) marks the real
+    selections of gates that pad a variable number of experts per token (padded slots are
+    skipped, not computed). Returns [N, d] in x's dtype.
+    """
+    if x.dim() != 2 or weights.shape != indices.shape or weights.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expected x [N, d] and weights/indices [N, k], got {tuple(x.shape)}, "
+            f"{tuple(weights.shape)}, {tuple(indices.shape)}"
+        )
+    n_tokens, k = indices.shape
+    flat_expert = indices.reshape(-1)
+    flat_weight = weights.reshape(-1)
+    flat_token = torch.arange(n_tokens, device=x.device).repeat_interleave(k)
+    if slot_mask is not None:
+        keep = slot_mask.reshape(-1).bool()
+        flat_expert, flat_weight, flat_token = flat_expert[keep], flat_weight[keep], flat_token[keep]
+    if flat_expert.numel() and (int(flat_expert.min()) < 0 or int(flat_expert.max()) >= experts.n_experts):
+        raise ValueError(f"expert indices must lie in [0, {experts.n_experts}), got out-of-range values")
+    order = torch.argsort(flat_expert, stable=True)
+    token_of = flat_token.index_select(0, order)
+    counts = torch.bincount(flat_expert, minlength=experts.n_experts).tolist()
+    x_sorted = x.index_select(0, token_of)
+    w_sorted = flat_weight.index_select(0, order).to(x.dtype)
+    out = x.new_zeros(x.shape)
+    if token_of.numel() == 0:
+        return out
+    expert_out = experts.grouped_forward(x_sorted, counts) * w_sorted.unsqueeze(-1)
+    return out.index_add(0, token_of, expert_out)
+
+
+class SharedExperts(nn.Module):
+    """`n_shared` always-active experts (DeepSeekMoE).
+
+    A sum of n FFNs applied to the same input equals one FFN whose hidden layer is their
+    concatenation, so the shared experts are stored as one dense FFN of width n * d_hidden.
+    """
+
+    def __init__(self, n_shared: int, d_model: int, d_hidden: int, activation: str = "swiglu"):
+        super().__init__()
+        self.ffn = Experts(1, d_model, n_shared * d_hidden, activation)
+        self.n_shared = n_shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn.expert_forward(0, x)
+
+
+def _cv(v: torch.Tensor) -> torch.Tensor:
+    """Coefficient of variation with the population std (the seeds' convention); 0 for an all-zero vector."""
+    mean = v.mean()
+    return torch.where(mean > 0, v.std(unbiased=False) / mean.clamp_min(1e-12), torch.zeros_like(mean))
+
+
+def routing_stats(
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    n_experts: int,
+    token_mask: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Balance statistics of one routing decision (detached).
+
+    importance = sum of gate values per expert (Shazeer's Importance(X)); load = number of
+    top-k selections per expert (the hard count that decides memory and straggler time);
+    their CVs and max(load)/mean(load) are what the seeds' Table 6 reports.
+    """
+    with torch.no_grad():
+        n_rows = indices.shape[0]
+        if slot_mask is None:
+            slot_mask = torch.ones_like(indices, dtype=torch.bool)
+        if token_mask is not None:
+            keep = token_mask.reshape(-1).bool()
+            probs, indices, slot_mask = probs[keep], indices[keep], slot_mask[keep]
+            n_rows = int(keep.sum())
+        importance = probs.float().sum(0)
+        load = torch.bincount(indices[slot_mask.bool()], minlength=n_experts).float()
+        mean_load = load.mean()
+        return {
+            "importance": importance,
+            "load": load,
+            "cv_importance": _cv(importance),
+            "cv_load": _cv(load),
+            "max_over_mean_load": torch.where(
+                mean_load > 0, load.max() / mean_load.clamp_min(1e-12), torch.zeros_like(mean_load)
+            ),
+            "dropped_tokens": torch.zeros((), dtype=torch.float32),
+            "tokens": torch.tensor(float(n_rows)),
+        }
+
+
+class MoELayer(nn.Module):
+    """Sparse MoE feed-forward layer: `y = sum_i G(x)_i E_i(x)` (+ shared experts).
+
+    Fine-grained experts (DeepSeekMoE / OLMoE) are simply many experts with a small
+    `d_expert`; shared experts are always active and added unweighted. The default gate is
+    Shazeer's noisy top-k gate with zero-initialised `W_g` / `W_noise`.
+
+    forward(x [..., d_model], token_mask=None) -> (y [..., d_model], aux) where aux holds
+    `loss` (the gate's balancing losses, a differentiable scalar) and the routing statistics
+    of `routing_stats` (token_mask excludes padding from the statistics only).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_expert: int,
+        n_experts: int,
+        k: int = 2,
+        *,
+        gate: nn.Module | None = None,
+        n_shared_experts: int = 0,
+        d_shared: int | None = None,
+        activation: str = "swiglu",
+        noisy: bool = True,
+        w_importance: float = 0.0,
+        w_load: float = 0.0,
+    ):
+        super().__init__()
+        if not 1 <= k <= n_experts:
+            raise ValueError(f"k must be in [1, n_experts={n_experts}], got {k}")
+        if n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {n_shared_experts}")
+        if gate is None:
+            from moee.moe.gates import NoisyTopKGate
+
+            gate = NoisyTopKGate(d_model, n_experts, k, noisy=noisy, w_importance=w_importance, w_load=w_load)
+        self.d_model = d_model
+        self.n_experts = n_experts
+        self.k = k
+        self.gate = MoEERouter(gate, n_experts, k)
+        self.experts = Experts(n_experts, d_model, d_expert, activation)
+        self.shared_experts = (
+            SharedExperts(n_shared_experts, d_model, d_shared or d_expert, activation)
+            if n_shared_experts
+            else None
+        )
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        _, weights, indices, gate_out = self.gate(flat)
+        y = self.experts(flat, weights, indices, gate_out.mask)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        aux = routing_stats(gate_out.probs, indices, self.n_experts, token_mask, gate_out.mask)
+        loss = gate_out.aux.get("loss")
+        aux["loss"] = loss if loss is not None else flat.new_zeros(())
+        if "load" in gate_out.aux:
+            aux["load_estimate"] = gate_out.aux["load"].detach()
+        return y.reshape(shape), aux

@@ -1,0 +1,144 @@
+"""MoE layer: sort-based dispatch vs a naive per-token loop, zero gradients for unused experts, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moee.moe.layer as layer_mod
+from moee.moe.layer import Experts, MoEERouter, MoELayer, dispatch_combine, routing_stats
+
+
+def _naive(x, weights, indices, experts: Experts, slot_mask=None):
+    """Reference: loop over tokens and slots, one expert call per (token, slot)."""
+    rows = []
+    for n in range(x.shape[0]):
+        y = torch.zeros_like(x[n])
+        for j in range(indices.shape[1]):
+            if slot_mask is not None and not bool(slot_mask[n, j]):
+                continue
+            e = int(indices[n, j])
+            y = y + weights[n, j] * experts.expert_forward(e, x[n : n + 1])[0]
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def _routing(n, e, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, e, generator=g)
+    top = logits.topk(k, dim=-1)
+    weights = top.values.softmax(-1).requires_grad_(True)
+    return weights, top.indices
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_dispatch_matches_naive_loop_outputs_and_grads(activation, grouped, monkeypatch):
+    monkeypatch.setattr(layer_mod, "USE_GROUPED_MM", grouped)
+    torch.manual_seed(0)
+    n, d, h, e, k = 23, 8, 12, 5, 2
+    experts = Experts(e, d, h, activation)
+    x = torch.randn(n, d, requires_grad=True)
+    weights, indices = _routing(n, e, k)
+
+    y = dispatch_combine(x, weights, indices, experts)
+    grads = torch.autograd.grad(y.pow(2).sum(), [x, weights, experts.w_in, experts.w_out])
+    y_ref = _naive(x, weights, indices, experts)
+    grads_ref = torch.autograd.grad(y_ref.pow(2).sum(), [x, weights, experts.w_in, experts.w_out])
+
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_unselected_experts_get_exactly_zero_gradient(grouped, monkeypatch):
+    monkeypatch.setattr(layer_mod, "USE_GROUPED_MM", grouped)
+    torch.manual_seed(1)
+    n, d, h, e, k = 16, 8, 4, 6, 2
+    experts = Experts(e, d, h, "gelu")
+    x = torch.randn(n, d)
+    weights = torch.full((n, k), 0.5, requires_grad=True)
+    indices = torch.randint(0, 3, (n, k))  # experts 3, 4, 5 are never chosen
+    indices[0] = torch.tensor([0, 1])
+    indices[1] = torch.tensor([2, 0])
+    dispatch_combine(x, weights, indices, experts).sum().backward()
+    assert torch.count_nonzero(experts.w_in.grad[3:]) == 0
+    assert torch.count_nonzero(experts.w_out.grad[3:]) == 0
+    assert torch.count_nonzero(experts.w_in.grad[:3]) > 0
+
+
+def test_slot_mask_skips_padded_slots():
+    torch.manual_seed(2)
+    n, d, h, e = 10, 6, 4, 4
+    experts = Experts(e, d, h, "relu")
+    x = torch.randn(n, d)
+    weights, indices = _routing(n, e, 3, seed=3)
+    mask = torch.rand(n, 3, generator=torch.Generator().manual_seed(4)) > 0.4
+    y = dispatch_combine(x, weights, indices, experts, slot_mask=mask)
+    torch.testing.assert_close(y, _naive(x, weights, indices, experts, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_rejects_bad_shapes_and_indices():
+    experts = Experts(3, 4, 2, "relu")
+    x = torch.randn(5, 4)
+    with pytest.raises(ValueError, match="out-of-range"):
+        dispatch_combine(x, torch.ones(5, 1), torch.full((5, 1), 3), experts)
+    with pytest.raises(ValueError, match="expected x"):
+        dispatch_combine(x, torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.long), experts)
+    with pytest.raises(ValueError, match="activation"):
+        Experts(2, 4, 4, "tanh")
+
+
+def test_routing_stats_known_values():
+    # 4 tokens, k=2, 4 experts: loads [3, 3, 1, 1] -> mean 2, max/mean 1.5, CV = 1/2
+    indices = torch.tensor([[0, 1], [0, 1], [0, 2], [1, 3]])
+    probs = torch.zeros(4, 4).scatter(1, indices, 0.5)
+    stats = routing_stats(probs, indices, 4)
+    assert stats["load"].tolist() == [3.0, 3.0, 1.0, 1.0]
+    assert stats["max_over_mean_load"].item() == pytest.approx(1.5)
+    assert stats["cv_load"].item() == pytest.approx(0.5)
+    assert stats["importance"].tolist() == [1.5, 1.5, 0.5, 0.5]
+    assert stats["dropped_tokens"].item() == 0
+    # padding rows are excluded from the statistics
+    masked = routing_stats(probs, indices, 4, token_mask=torch.tensor([1, 1, 1, 0]))
+    assert masked["load"].tolist() == [3.0, 2.0, 1.0, 0.0]
+    assert masked["tokens"].item() == 3
+
+
+def test_moe_layer_end_to_end_with_noisy_gate():
+    torch.manual_seed(5)
+    layer = MoELayer(8, 6, n_experts=6, k=2, n_shared_experts=1, w_importance=0.1, w_load=0.1)
+    assert isinstance(layer.gate, MoEERouter)
+    # zero-initialised gate (seeds §3.5)
+    assert all(torch.count_nonzero(p) == 0 for p in layer.gate.parameters())
+    x = torch.randn(3, 5, 8)
+    layer.train()
+    y, aux = layer(x)
+    assert y.shape == x.shape
+    for key in (
+        "loss",
+        "importance",
+        "load",
+        "cv_importance",
+        "cv_load",
+        "max_over_mean_load",
+        "dropped_tokens",
+    ):
+        assert key in aux
+    assert aux["load"].sum().item() == 3 * 5 * 2
+    (y.sum() + aux["loss"]).backward()
+    assert layer.gate.gate.w_gate.weight.grad is not None
+    # eval mode: no noise, and the layer equals gate + naive reference + shared expert
+    layer.eval()
+    flat = x.reshape(-1, 8)
+    logits, weights, indices, out = layer.gate(flat)
+    assert torch.equal(logits, out.logits) and logits.shape == (15, 6)
+    y_eval, _ = layer(x)
+    ref = _naive(flat, weights, indices, layer.experts) + layer.shared_experts(flat)
+    torch.testing.assert_close(y_eval.reshape(-1, 8), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_layer_validates_k():
+    with pytest.raises(ValueError, match="k must be"):
+        MoELayer(8, 4, n_experts=4, k=5)

@@ -1,0 +1,233 @@
+"""Trainer: config validation, schedule, deterministic data, exact resume, NaN stop, corrupt checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moee.moe.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_state
+from moee.moe.trainer import (
+    NonFiniteLossError,
+    WindowSampler,
+    load_config,
+    lr_at,
+    train,
+    unigram_cross_entropy,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORDS = "the king spoke to the river and the river answered with a quiet song about old stones".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    """A tiny corpus and a word-level tokenizer (PreTrainedTokenizerFast), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    vocab = {"<|endoftext|>": 0, "<|pad|>": 1, "[UNK]": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.save_pretrained(root / "tok")
+    for name, n in (("train", 60), ("heldout", 10)):
+        with open(root / f"{name}.jsonl", "w") as f:
+            for _ in range(n):
+                text = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 30))))
+                f.write(json.dumps({"text": text, "source": "synthetic"}) + "\n")
+    return {"root": root}
+
+
+def tiny_cfg(corpus: dict, out: Path, **schedule) -> dict:
+    root = corpus["root"]
+    return {
+        "seed": 0,
+        "threads": 1,
+        "model": {
+            "hidden_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8,
+            "hidden_act": "gelu",
+        },
+        "data": {
+            "train": str(root / "train.jsonl"),
+            "heldout": str(root / "heldout.jsonl"),
+            "tokenizer": str(root / "tok"),
+            "seq_len": 16,
+            "cache_dir": str(root / "tokens"),
+        },
+        "optim": {"lr": 0.01, "batch_size": 4},
+        "schedule": {"max_steps": 6, "warmup_steps": 2, **schedule},
+        "eval": {"every": 3, "max_windows": 4, "batch_size": 4},
+        "checkpoint": {"dir": str(out), "every": 2, "keep": 5},
+    }
+
+
+def _train_losses(log: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_resume_reproduces_the_uninterrupted_loss_curve_exactly(corpus, tmp_path):
+    full = train(tiny_cfg(corpus, tmp_path / "full"), progress=False)
+    assert full.step == 6
+    train(tiny_cfg(corpus, tmp_path / "split"), stop_at_step=3, progress=False)
+    assert latest_checkpoint(tmp_path / "split").name == "step_00000003"
+    resumed = train(tiny_cfg(corpus, tmp_path / "split"), resume=True, progress=False)
+    assert resumed.step == 6
+    a = _train_losses(tmp_path / "full" / "log.jsonl")
+    b = _train_losses(tmp_path / "split" / "log.jsonl")
+    assert len(a) == 6 and a == b  # bit-for-bit equal, not approximately
+    assert a[-1] < a[0]
+    for key, value in resumed.last_eval.items():
+        if key != "layers":
+            assert value == full.last_eval[key]
+
+
+def test_checkpoint_contents_and_round_trip(corpus, tmp_path):
+    from moee.moe.lm import MoEEForCausalLM
+
+    train(tiny_cfg(corpus, tmp_path), progress=False)
+    ckpt = latest_checkpoint(tmp_path)
+    state = read_state(ckpt)
+    assert state["step"] == 6 and state["data_position"] == 24
+    assert not any(p.suffix in (".pt", ".bin", ".pkl") for p in ckpt.iterdir())  # nothing pickled
+    model = MoEEForCausalLM.from_pretrained(ckpt)
+    reloaded = MoEEForCausalLM.from_pretrained(ckpt)
+    load_checkpoint(ckpt, reloaded, optimizer=None)
+    for (n1, p1), (_, p2) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(p1, p2), n1
+    assert len(list_checkpoints(tmp_path)) == 3  # steps 2, 4, 6
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_corrupt_checkpoint_raises_value_error_naming_the_file(corpus, tmp_path, damage):
+    cfg = tiny_cfg(corpus, tmp_path)
+    train(cfg, stop_at_step=2, progress=False)
+    target = latest_checkpoint(tmp_path) / "optimizer.safetensors"
+    if damage == "truncate":
+        data = target.read_bytes()
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-5] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        target.unlink()
+    with pytest.raises(ValueError, match="optimizer.safetensors"):
+        train(cfg, resume=True, progress=False)
+
+
+def test_corrupt_state_json_is_a_clear_error(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    train(cfg, stop_at_step=2, progress=False)
+    state = latest_checkpoint(tmp_path) / "trainer_state.json"
+    state.write_text(state.read_text()[:40])
+    with pytest.raises(ValueError, match="trainer_state.json"):
+        train(cfg, resume=True, progress=False)
+
+
+def test_non_finite_loss_stops_and_names_the_step(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    cfg["optim"]["lr"] = 1e30  # the first update blows the weights up
+    cfg["optim"]["grad_clip"] = 1e30
+    with pytest.raises(NonFiniteLossError, match=r"at step \d+"):
+        train(cfg, progress=False)
+
+
+def test_resume_without_checkpoint_is_an_error(corpus, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(tiny_cfg(corpus, tmp_path / "empty"), resume=True, progress=False)
+
+
+def test_config_validation(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    with pytest.raises(ValueError, match="unknown section"):
+        load_config({**cfg, "optimizer": {}})
+    with pytest.raises(ValueError, match="unknown key"):
+        load_config({**cfg, "optim": {"learning_rate": 1.0}})
+    with pytest.raises(ValueError, match="batch_size"):
+        load_config({**cfg, "optim": {"batch_size": 0}})
+    with pytest.raises(ValueError, match="data.train"):
+        load_config({**cfg, "data": {"tokenizer": "x"}})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_config(bad)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_at(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_at(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_at(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_at(55, 100, 10, 0.1) == pytest.approx(0.55)
+    assert lr_at(100, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_window_sampler_is_a_deterministic_permutation():
+    tokens = np.arange(100, dtype=np.uint16)
+    s = WindowSampler(tokens, 10, seed=3)
+    first_epoch = torch.cat([s.batch(p, 2) for p in range(0, 10, 2)])
+    starts = sorted(int(row[0]) for row in first_epoch)
+    assert starts == list(range(0, 100, 10))  # every window exactly once per epoch
+    assert torch.equal(WindowSampler(tokens, 10, seed=3).batch(4, 3), s.batch(4, 3))
+    assert not torch.equal(s.batch(0, 10), s.batch(10, 10))  # a new order next epoch
+
+
+def test_unigram_cross_entropy_matches_hand_computation():
+    train_tokens = np.array([0, 0, 1, 2], dtype=np.uint16)
+    windows = torch.tensor([[2, 0, 1]])
+    # add-one counts [3, 2, 2, 1] / 8 over a vocabulary of 4; predicted tokens 0 and 1
+    expected = -(math.log(3 / 8) + math.log(2 / 8)) / 2
+    assert unigram_cross_entropy(train_tokens, windows, 4) == pytest.approx(expected)
+
+
+def test_router_bias_calibration_rebalances_loss_free_gates():
+    from moee.moe.gates import LossFreeBalancedGate
+    from moee.moe.lm import MoEEConfig, MoEEForCausalLM
+    from moee.moe.trainer import calibrate_router_biases
+
+    torch.manual_seed(0)
+    cfg = MoEEConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        router_type="loss_free",
+        router_bias_gamma=0.0,
+    )
+    model = MoEEForCausalLM(cfg).eval()
+    gate = next(m for m in model.modules() if isinstance(m, LossFreeBalancedGate))
+    gate.bias[:2] = 1.0  # experts 0 and 1 win every token
+    tokens = np.random.default_rng(0).integers(0, 50, size=4000).astype(np.uint16)
+    sampler = WindowSampler(tokens, 20, seed=0)
+    probe = sampler.batch(150, 16)
+
+    def worst() -> float:
+        with torch.no_grad():
+            return float(model(input_ids=probe).moe_aux[0]["max_over_mean_load"])
+
+    assert worst() == pytest.approx(4.0)  # every token on the same 2 of 8 experts
+    weights = {k: v.clone() for k, v in model.state_dict().items() if "bias" not in k}
+    end = calibrate_router_biases(model, sampler, 0, 8, steps=100, gamma=0.05)
+    assert end == 800 and not model.training and gate.gamma == 0.0
+    assert worst() < 1.6
+    for k, v in model.state_dict().items():  # only the biases moved
+        if k in weights:
+            assert torch.equal(v, weights[k]), k
