@@ -148,6 +148,20 @@ def test_loss_free_router_variant_runs():
     assert out.aux_loss.item() == 0.0 and torch.isfinite(out.loss)
 
 
+def test_capture_scores_each_router_variant_with_its_own_rule(tiny_model):
+    """Capture reads the rule from the router, so a loss-free (sigmoid + bias) model's native
+    scores are sigmoids of the logits while the default noisy top-k model's are a softmax."""
+    from moee.capture.registry import apply_score, find_routers
+
+    sigmoid_model = MoEEForCausalLM(tiny_config(router_type="loss_free")).eval()
+    assert {r.rule for r in find_routers(tiny_model)} == {"softmax"}
+    routers = find_routers(sigmoid_model)
+    assert {r.rule for r in routers} == {"sigmoid_bias"}
+    logits = torch.randn(3, 8)
+    native = apply_score(logits, "native", routers[0].rule, routers[0].router)
+    torch.testing.assert_close(native, torch.sigmoid(logits))
+
+
 @pytest.mark.skipif(
     not (DEFAULT_MODEL / "model.safetensors").exists(), reason="bundled model not exported yet"
 )

@@ -237,8 +237,13 @@ def rule_for_model_type(model_type: str | None, router: nn.Module | None = None)
 
     Inference (used for custom and future models): a router with an ``e_score_correction_bias``
     is DeepSeek-V3-style sigmoid, one with a ``score_fn`` uses it (sqrt-softplus family),
-    anything else is treated as softmax, the most common rule.
+    anything else is treated as softmax, the most common rule. A router that names its own rule
+    (a ``scoring_rule`` attribute that is a key of ``RULES``, as this project's ``MoEERouter``
+    does, since its rule depends on the gate it was trained with) is taken at its word.
     """
+    declared = getattr(router, "scoring_rule", None)
+    if isinstance(declared, str) and declared in RULES:
+        return declared
     if model_type in MODEL_TYPE_RULES:
         rule = MODEL_TYPE_RULES[model_type]
         # Cohere2-MoE configs choose softmax or sigmoid over the selected logits.

@@ -55,6 +55,18 @@ class MoEERouter(nn.Module):
         self.num_experts = int(n_experts)
         self.top_k = int(k)
 
+    @property
+    def scoring_rule(self) -> str:
+        """The capture registry's name for how this router scores experts (see
+        `moee.capture.registry.RULES`): loss-free gates select on sigmoid/softmax scores shifted
+        by a bias that never enters the weights; every other gate here is a softmax router."""
+        score_func = getattr(self.gate, "score_func", None)
+        if score_func == "sigmoid":
+            return "sigmoid_bias"
+        if score_func == "softmax":
+            return "softmax_bias"
+        return "softmax"
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         out = self.gate(flat)
