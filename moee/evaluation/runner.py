@@ -1,0 +1,465 @@
+"""Run the evaluation: tasks x prompts x methods (+ the dense baseline), cached with mteb.
+
+``run_evaluation`` is what ``moee evaluate`` and ``moee quickstart`` call. Order of work:
+
+1. resolve the tasks (``paper``, ``offline``, ``quick`` or mteb task names) and load their
+   data *before* the model, so that a task whose data cannot be had (the paper's suite with
+   no network) fails at once with a clear ``TaskDataUnavailableError``;
+2. for each prompt, one ``TraceCache``: each task's texts go through the model once, and the
+   four methods are computed from the cached HS/RW (``alpha='auto'`` first picks the
+   MoEE(sum) weight from the task's own texts, see ``moee.evaluation.alpha``);
+3. ``mteb.evaluate`` per (configuration, task) into ``mteb.ResultCache(out)``; finished
+   (configuration, task) pairs are skipped on a rerun;
+4. the tables (``moee.evaluation.tables``) plus ``run.json`` (command, versions, alpha
+   choices, timings).
+
+Task seeds are reset before every evaluation so that every configuration sees the same
+classifier subsamples and clustering bootstraps, independent of run order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moee.embed.methods import METHODS, POOLINGS, SCORES
+from moee.embed.prompts import resolve_prompt
+from moee.embed.validation import check_alpha, check_choice, check_positive_int
+from moee.evaluation.adapter import (
+    AUTO_ALPHA,
+    BASELINE_NAME,
+    MoEEMTEBEncoder,
+    TraceCache,
+    baseline_revision,
+    load_baseline_encoder,
+    model_identity,
+    model_name,
+)
+from moee.evaluation.alpha import ALPHA_RULES, choose_alpha
+from moee.evaluation.paper import paper_task_names
+
+#: Packages recorded with every run besides ``moee.io.package_versions``'s (baseline, classifiers).
+EVAL_PACKAGES = ("sentence-transformers", "scikit-learn", "scipy", "datasets")
+
+
+def quiet_metric_warnings() -> None:
+    """Silence the metric warnings that weak embeddings trigger by the hundred (for the CLI).
+
+    A constant similarity makes a correlation undefined (recorded as NaN, shown as "–" in the
+    tables), and a classifier that never predicts a class makes its precision 0 (sklearn's
+    UndefinedMetricWarning); the numbers are right, the warnings are noise in a terminal.
+    """
+    from scipy.stats import ConstantInputWarning
+    from sklearn.exceptions import UndefinedMetricWarning
+
+    warnings.filterwarnings("ignore", category=ConstantInputWarning)
+    warnings.filterwarnings("ignore", category=UndefinedMetricWarning)
+
+
+class TaskDataUnavailableError(RuntimeError):
+    """A task's dataset could not be loaded (typically: hub dataset, no network)."""
+
+
+@dataclass
+class EvalSettings:
+    """Everything that defines an evaluation run (the CLI fills it from its flags)."""
+
+    model: str | None = None
+    methods: Sequence[str] = METHODS
+    prompts: Sequence[str | None] = (None, "prompteol")
+    alpha: float | str = AUTO_ALPHA
+    alpha_rule: str = "spearman"
+    tasks: str | Sequence[str] = "offline"
+    out: Path = Path("eval/results/offline")
+    baseline: bool = True
+    pooling: str = "last"
+    score: str = "softmax"
+    batch_size: int = 32
+    device: str | None = None
+    overwrite: bool = False
+    alpha_max_texts: int = 1000
+    command: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.methods:
+            raise ValueError("methods must name at least one of: " + ", ".join(METHODS))
+        for m in self.methods:
+            check_choice("method", m, METHODS)
+        if not self.prompts:
+            raise ValueError("prompts must name at least one prompt (use 'none' for no prompt)")
+        for p in self.prompts:
+            resolve_prompt(p)
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_choice("score", self.score, SCORES)
+        check_choice("alpha rule", self.alpha_rule, ALPHA_RULES)
+        check_positive_int("batch_size", self.batch_size)
+        if isinstance(self.alpha, str):
+            if self.alpha != AUTO_ALPHA:
+                raise ValueError(f"alpha must be a number >= 0 or {AUTO_ALPHA!r}, got {self.alpha!r}")
+        else:
+            check_alpha(self.alpha)
+
+
+def package_versions() -> dict[str, str | None]:
+    """``moee.io.package_versions`` plus the libraries only evaluation numbers depend on."""
+    from moee.io import package_versions as core_versions
+
+    out = core_versions()
+    for name in EVAL_PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def resolve_tasks(spec: str | Sequence[str]) -> list[Any]:
+    """Task objects for ``paper``, ``offline``, ``quick`` or a list / comma list of task names.
+
+    Offline task names (ours) and mteb task names can be mixed; an unknown name raises
+    ``ValueError`` listing the offline names.
+    """
+    import mteb
+
+    from moee.evaluation.tasks import OFFLINE_TASK_NAMES, QUICK_TASK_NAMES, offline_tasks
+
+    if isinstance(spec, str):
+        if spec == "paper":
+            return list(mteb.get_tasks(tasks=paper_task_names(), languages=["eng"]))
+        if spec == "offline":
+            return offline_tasks()
+        if spec == "quick":
+            return offline_tasks(QUICK_TASK_NAMES)
+        names = [s.strip() for s in spec.split(",") if s.strip()]
+    else:
+        names = list(spec)
+    if not names:
+        raise ValueError("no tasks given; use 'paper', 'offline', 'quick' or task names")
+    out = []
+    for name in names:
+        if name in ("paper", "offline", "quick"):
+            out.extend(resolve_tasks(name))
+        elif name in OFFLINE_TASK_NAMES or name in QUICK_TASK_NAMES:
+            out.extend(offline_tasks([name]))
+        else:
+            try:
+                out.append(mteb.get_task(name))
+            except KeyError as exc:
+                raise ValueError(
+                    f"unknown task {name!r}: not an offline task ({', '.join(OFFLINE_TASK_NAMES)}) "
+                    "and not an mteb task name"
+                ) from exc
+    return out
+
+
+def load_task_data(tasks: Iterable[Any]) -> None:
+    """Load every task's data now; raise ``TaskDataUnavailableError`` naming what is missing."""
+    failures = []
+    for task in tasks:
+        if task.data_loaded:
+            continue
+        try:
+            task.load_data()
+        except Exception as exc:  # datasets raises many kinds (offline mode, connection, not found)
+            path = task.metadata.dataset.get("path", "?")
+            failures.append(
+                f"  - {task.metadata.name} (dataset {path}): {type(exc).__name__}: {exc}".rstrip()
+            )
+    if failures:
+        raise TaskDataUnavailableError(
+            "could not load the data of these tasks:\n"
+            + "\n".join(failures)
+            + "\nThe paper's tasks are downloaded from the Hugging Face Hub: they need network access "
+            "(unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) or a datasets cache that already holds them, "
+            "and a GPU to be practical. Offline, use --tasks offline."
+        )
+
+
+def _training_summary(embedder: Any) -> dict[str, Any] | None:
+    """Steps and held-out perplexity from a local model's ``metrics.json`` (our trained models)."""
+    path = Path(str(getattr(embedder, "name_or_path", ""))) / "metrics.json"
+    if not path.is_file():
+        return None
+    metrics = json.loads(path.read_text(encoding="utf-8"))
+    keys = ("checkpoint", "steps", "max_steps", "train_tokens_seen", "heldout_ppl")
+    return {k: metrics[k] for k in keys if k in metrics}
+
+
+def _load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load averages: wall times mean little without them."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(v for v in values if isinstance(v, str)))
+
+
+def _column(ds: Any, name: str) -> list[str]:
+    values = ds[name]
+    flat: list[str] = []
+    for v in values:
+        flat.extend(v if isinstance(v, list) else [v])
+    return [v for v in flat if isinstance(v, str)]
+
+
+def task_texts(task: Any) -> list[str]:
+    """The distinct input texts of a loaded task, over its eval splits (and train split).
+
+    Used only for the label-free alpha choice: labels and gold scores are never read.
+    """
+    from mteb.abstasks import (
+        AbsTaskClassification,
+        AbsTaskPairClassification,
+        AbsTaskRetrieval,
+        AbsTaskSTS,
+    )
+
+    if not task.data_loaded:
+        load_task_data([task])
+    splits = list(task.eval_splits)
+    if isinstance(task, AbsTaskClassification):
+        splits.append(task.train_split)
+        columns = [task.input_column_name]
+    elif isinstance(task, AbsTaskSTS):
+        columns = list(task.column_names)
+    elif isinstance(task, AbsTaskPairClassification):
+        columns = [task.input1_column_name, task.input2_column_name]
+    elif isinstance(task, AbsTaskRetrieval):
+        columns = []
+    else:
+        columns = [getattr(task, "input_column_name", None) or getattr(task, "text_column_name", "text")]
+        for extra in ("human_summaries_column_name", "machine_summaries_column_name"):
+            if hasattr(task, extra):
+                columns.append(getattr(task, extra))
+    texts: list[str] = []
+    subsets = task.dataset if set(task.hf_subsets) <= set(task.dataset) else {"default": task.dataset}
+    for subset in task.hf_subsets:
+        data = subsets.get(subset, subsets.get("default"))
+        for split in dict.fromkeys(splits):
+            if split not in data:
+                continue
+            part = data[split]
+            if isinstance(task, AbsTaskRetrieval):
+                texts += _column(part["queries"], "text") + _column(part["corpus"], "text")
+            else:
+                for col in columns:
+                    if isinstance(col, str) and col in part.column_names:
+                        texts += _column(part, col)
+    return _unique(texts)
+
+
+def _reset_seed(task: Any) -> None:
+    """Make every configuration see the same subsamples and bootstraps."""
+    from mteb._set_seed import _set_seed
+
+    task.rng_state, task.np_rng = _set_seed(task.seed)
+
+
+def _is_cached(cache: Any, encoder_or_meta: Any, task: Any) -> bool:
+    """Whether ``cache`` already holds every split and subset of ``task`` for this model."""
+    meta = getattr(encoder_or_meta, "mteb_model_meta", encoder_or_meta)
+    existing = cache.load_task_result(task.metadata.name, meta)
+    return existing is not None and not existing.get_missing_evaluations(task)
+
+
+def _evaluate(encoder: Any, task: Any, cache: Any, settings: EvalSettings) -> float:
+    import mteb
+
+    _reset_seed(task)
+    start = time.perf_counter()
+    result = mteb.evaluate(
+        encoder,
+        [task],
+        cache=cache,
+        overwrite_strategy="always" if settings.overwrite else "only-missing",
+        encode_kwargs={"batch_size": settings.batch_size, "show_progress_bar": False},
+        show_progress_bar=False,
+        co2_tracker=False,
+    )
+    if result.exceptions:
+        raise RuntimeError(f"{task.metadata.name}: {result.exceptions[0].exception}")
+    return time.perf_counter() - start
+
+
+def _moee_encoder(
+    embedder: Any,
+    revision: str,
+    settings: EvalSettings,
+    prompt: str | None,
+    traces: TraceCache,
+    method: str,
+    alpha_by_task: dict[str, float] | None = None,
+) -> MoEEMTEBEncoder:
+    """The encoder of one configuration; alpha only matters (and is only recorded) for moee_sum."""
+    return MoEEMTEBEncoder(
+        embedder,
+        revision,
+        method=method,
+        pooling=settings.pooling,
+        prompt=prompt,
+        score=settings.score,
+        alpha=settings.alpha if method == "moee_sum" else 1.0,
+        alpha_by_task=alpha_by_task if method == "moee_sum" else None,
+        trace_cache=traces,
+    )
+
+
+def choose_task_alphas(
+    cache: TraceCache, tasks: Sequence[Any], *, rule: str, max_texts: int, batch_size: int, seed: int = 0
+) -> dict[str, dict[str, Any]]:
+    """The label-free MoEE(sum) weight of each task, from (at most ``max_texts`` of) its texts."""
+    choices = {}
+    for task in tasks:
+        texts = task_texts(task)
+        if len(texts) > max_texts:
+            rng = np.random.default_rng(seed)
+            texts = [texts[i] for i in sorted(rng.choice(len(texts), size=max_texts, replace=False))]
+        hs, rw = cache.get(texts, batch_size=batch_size)
+        choices[task.metadata.name] = choose_alpha(hs, rw, rule=rule, seed=seed).to_dict()
+    return choices
+
+
+def run_evaluation(
+    settings: EvalSettings,
+    *,
+    embedder: Any = None,
+    tasks: Sequence[Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Evaluate, cache, and write the tables; returns a summary with the output paths.
+
+    ``embedder`` (a loaded ``MoEEmbedder``) and ``tasks`` (task objects) may be passed in to
+    reuse them; otherwise they come from ``settings``.
+    """
+    import datasets
+    import mteb
+
+    settings.validate()
+    datasets.disable_progress_bars()
+    out = Path(settings.out)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    if tasks is None:
+        tasks = resolve_tasks(settings.tasks)
+    log(f"tasks: {', '.join(t.metadata.name for t in tasks)}")
+    load_task_data(tasks)
+    if embedder is None:
+        from moee.embed.embedder import MoEEmbedder
+
+        log(f"loading model {settings.model or '(bundled default)'} ...")
+        embedder = MoEEmbedder.from_pretrained(settings.model, device=settings.device)
+    cache = mteb.ResultCache(out)
+    revision = model_identity(embedder)[1]
+    alpha_path = out / "alpha_choices.json"
+    # choices depend on the weights and on how RW/HS are pooled and scored: keyed by all of them
+    alpha_key = f"{model_name(embedder)}@{revision} pooling={settings.pooling} score={settings.score}"
+    all_choices: dict[str, dict[str, dict[str, dict[str, Any]]]] = (
+        json.loads(alpha_path.read_text(encoding="utf-8")) if alpha_path.is_file() else {}
+    )
+    if settings.overwrite:
+        all_choices.pop(alpha_key, None)
+    alpha_choices = all_choices.setdefault(alpha_key, {})
+    timings: dict[str, float] = {}
+    auto = settings.alpha == AUTO_ALPHA
+    for prompt in settings.prompts:
+        prompt_name = prompt or "none"
+        traces = TraceCache(embedder, pooling=settings.pooling, prompt=prompt, score=settings.score)
+        make = partial(_moee_encoder, embedder, revision, settings, prompt, traces)
+        for task in tasks:
+            name = task.metadata.name
+
+            pending = [
+                m for m in settings.methods if settings.overwrite or not _is_cached(cache, make(m), task)
+            ]
+            if not pending:
+                log(f"[{prompt_name}] {name}: all methods already in the cache")
+                continue
+            alpha_by_task = None
+            if auto and "moee_sum" in pending:
+                choice = alpha_choices.get(prompt_name, {}).get(name)
+                if choice is None or choice.get("rule") != settings.alpha_rule:
+                    choice = choose_task_alphas(
+                        traces,
+                        [task],
+                        rule=settings.alpha_rule,
+                        max_texts=settings.alpha_max_texts,
+                        batch_size=settings.batch_size,
+                    )[name]
+                    alpha_choices.setdefault(prompt_name, {})[name] = choice
+                    alpha_path.parent.mkdir(parents=True, exist_ok=True)
+                    alpha_path.write_text(json.dumps(all_choices, indent=2) + "\n", encoding="utf-8")
+                alpha_by_task = {name: choice["alpha"]}
+                log(
+                    f"[{prompt_name}] {name}: alpha={choice['alpha']:.4g} ({settings.alpha_rule} rule, label-free)"
+                )
+            for method in pending:
+                seconds = _evaluate(make(method, alpha_by_task), task, cache, settings)
+                timings[f"{method}/{prompt_name}/{name}"] = round(seconds, 2)
+                log(f"[{prompt_name}] {name} {method}: {seconds:.1f}s")
+        traces.clear()  # rows are kept across the tasks of a prompt: tasks share some texts
+    if settings.baseline:
+        from mteb.models import ModelMeta
+
+        baseline = None
+        baseline_probe = ModelMeta.create_empty({"name": BASELINE_NAME, "revision": baseline_revision()})
+        for task in tasks:
+            if not settings.overwrite and _is_cached(cache, baseline_probe, task):
+                log(f"[baseline] {task.metadata.name}: already in the cache")
+                continue
+            if baseline is None:
+                log("loading baseline all-MiniLM-L6-v2 ...")
+                baseline = load_baseline_encoder(device=settings.device)
+            seconds = _evaluate(baseline, task, cache, settings)
+            timings[f"baseline/{task.metadata.name}"] = round(seconds, 2)
+            log(f"[baseline] {task.metadata.name}: {seconds:.1f}s")
+    total = time.perf_counter() - t0
+    run_info = {
+        "command": settings.command or " ".join(sys.argv),
+        "model": settings.model or "bundled default (moee/assets/default-model)",
+        "model_name": model_name(embedder),
+        "model_revision": revision,
+        "model_training": _training_summary(embedder),
+        "methods": list(settings.methods),
+        "prompts": [p or "none" for p in settings.prompts],
+        "alpha": settings.alpha,
+        "alpha_rule": settings.alpha_rule if settings.alpha == AUTO_ALPHA else None,
+        "alpha_choices": {p: {t: c["alpha"] for t, c in d.items()} for p, d in alpha_choices.items()},
+        "pooling": settings.pooling,
+        "score": settings.score,
+        "tasks": [t.metadata.name for t in tasks],
+        "versions": package_versions(),
+        "seconds": round(total, 1),
+        "cpu_seconds": round(time.process_time() - cpu0, 1),
+        "load_average": _load_average(),
+        **settings.extra,
+    }
+    from moee.evaluation.tables import write_tables
+
+    paths = write_tables(out, out, tasks=[t.metadata.name for t in tasks], extra=run_info)
+    alpha_path.write_text(json.dumps(all_choices, indent=2) + "\n", encoding="utf-8")
+    (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+    log(f"done in {total:.0f}s")
+    return {
+        "out": out,
+        "tables_md": paths["markdown"],
+        "tables_json": paths["json"],
+        "alpha_choices": alpha_path,
+        "timings": out / "timings.json",
+        "seconds": total,
+        "embedder": embedder,
+        "tasks": tasks,
+    }

@@ -1,0 +1,284 @@
+"""The mteb adapter with a real MoEEmbedder over a tiny random OLMoE, end to end through mteb."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import mteb
+import numpy as np
+import pytest
+import torch
+from mteb.models import EncoderProtocol
+from scipy.stats import spearmanr
+
+from moee.cli import main as cli_main
+from moee.data.offline import load_task_data
+from moee.embed.embedder import MoEEmbedder
+from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache, model_identity
+from moee.evaluation.alpha import pair_similarities
+from moee.evaluation.runner import EvalSettings, run_evaluation
+from moee.evaluation.tasks import offline_tasks
+
+N_VOCAB_WORDS = 400
+
+
+def _vocabulary() -> list[str]:
+    """The most frequent lower-cased words of two offline tasks (deterministic)."""
+    counts: Counter[str] = Counter()
+    for name, key in (("lee_sts", "sentence1"), ("fortunes_classification", "text")):
+        for row in load_task_data(name)["test"]:
+            counts.update(re.findall(r"\w+|[^\w\s]", row[key].lower()))
+    return [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:N_VOCAB_WORDS]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[BOS]": 2, "[EOS]": 3}
+    for word in _vocabulary() + ['"', ":"]:
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]"
+    )
+
+
+def _tiny_olmoe(vocab_size: int, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "olmoe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def embedder(tokenizer):
+    return MoEEmbedder(_tiny_olmoe(len(tokenizer), seed=0), tokenizer, name_or_path="tiny-olmoe")
+
+
+TEXTS = ["The cat sat on the mat.", "Stocks fell sharply today", "", 'He said "no" twice.', "The cat sat."]
+
+
+def test_adapter_satisfies_the_encoder_protocol(embedder):
+    enc = MoEEMTEBEncoder(embedder, method="moee_sum", prompt="prompteol", alpha=0.5)
+    assert isinstance(enc, EncoderProtocol)
+    meta = enc.mteb_model_meta
+    assert meta.name == "moee/tiny-olmoe" and meta.similarity_fn_name.value == "cosine"
+    assert meta.embed_dim == embedder.hidden_size + embedder.n_moe_layers * embedder.n_experts
+    assert dict(meta.experiment_kwargs) == {
+        "method": "moee_sum",
+        "pooling": "last",
+        "prompt": "prompteol",
+        "score": "softmax",
+        "alpha": 0.5,
+    }
+
+
+def test_cache_paths_never_collide(embedder, tokenizer, tmp_path):
+    cache = mteb.ResultCache(tmp_path)
+    paths = {}
+    for method in ("hs", "rw", "moee_concat", "moee_sum"):
+        for prompt in (None, "prompteol"):
+            for pooling in ("last", "mean"):
+                for score in ("softmax", "logits"):
+                    for alpha in (0.5, 1.0, "auto"):
+                        enc = MoEEMTEBEncoder(
+                            embedder, method=method, prompt=prompt, pooling=pooling, score=score, alpha=alpha
+                        )
+                        path = cache.get_task_result_path("lee_sts", enc.mteb_model_meta)
+                        paths.setdefault(path, set()).add((method, prompt, pooling, score, alpha))
+    # one folder per configuration; alpha only separates MoEE(sum) configurations
+    assert len(paths) == 3 * 2 * 2 * 2 + 3 * 2 * 2 * 2
+    for configs in paths.values():
+        assert len({c[:4] for c in configs}) == 1
+    other = MoEEmbedder(_tiny_olmoe(len(tokenizer), seed=1), tokenizer, name_or_path="tiny-olmoe")
+    assert model_identity(other)[1] != model_identity(embedder)[1]  # other weights, other revision
+
+
+@pytest.mark.parametrize("prompt", [None, "prompteol"])
+@pytest.mark.parametrize("method", ["hs", "rw", "moee_concat", "moee_sum"])
+def test_adapter_matches_embedder_encode(embedder, method, prompt):
+    enc = MoEEMTEBEncoder(embedder, method=method, prompt=prompt, alpha=0.7)
+    got = enc.embed_texts(TEXTS, task_name="any")
+    want = embedder.encode(TEXTS, method=method, prompt=prompt, alpha=0.7)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_trace_cache_one_forward_per_distinct_text(embedder):
+    cache = TraceCache(embedder, prompt="prompteol")
+    encoders = [
+        MoEEMTEBEncoder(embedder, method=m, prompt="prompteol", trace_cache=cache) for m in ("hs", "rw")
+    ]
+    encoders[0].embed_texts(TEXTS + TEXTS)
+    encoders[1].embed_texts(TEXTS[:2])
+    assert cache.forward_texts == len(TEXTS) == len(cache)
+    with pytest.raises(ValueError, match="belongs to another"):
+        MoEEMTEBEncoder(embedder, method="hs", prompt=None, trace_cache=cache)
+
+
+def test_bad_configuration_is_rejected(embedder):
+    with pytest.raises(ValueError, match="unknown method"):
+        MoEEMTEBEncoder(embedder, method="cls")
+    with pytest.raises(ValueError, match="unknown prompt|template"):
+        MoEEMTEBEncoder(embedder, prompt="promptEOL")
+    with pytest.raises(ValueError, match="alpha must be"):
+        MoEEMTEBEncoder(embedder, alpha="best")
+    enc = MoEEMTEBEncoder(embedder, alpha="auto")
+    with pytest.raises(ValueError, match="no weight was chosen for task 'lee_sts'"):
+        enc.embed_texts(["a"], task_name="lee_sts")
+
+
+def test_offline_sts_task_end_to_end(embedder, tmp_path):
+    """lee_sts through mteb.evaluate; the cached score equals the similarity sum's Spearman."""
+    (task,) = offline_tasks(["lee_sts"])
+    alpha = 0.5
+    enc = MoEEMTEBEncoder(embedder, method="moee_sum", alpha=alpha)
+    cache = mteb.ResultCache(tmp_path)
+    result = mteb.evaluate(enc, [task], cache=cache, show_progress_bar=False, co2_tracker=False)
+    score = result.task_results[0].get_score()
+    assert cache.get_task_result_path("lee_sts", enc.mteb_model_meta).is_file()
+
+    rows = load_task_data("lee_sts")["test"]
+    texts = list(dict.fromkeys([r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]))
+    idx = {t: i for i, t in enumerate(texts)}
+    hs, rw = TraceCache(embedder).get(texts)
+    c_h, c_r = pair_similarities(
+        hs, rw, np.array([idx[r["sentence1"]] for r in rows]), np.array([idx[r["sentence2"]] for r in rows])
+    )
+    expected = spearmanr([r["score"] for r in rows], (c_h + alpha * c_r) / (1 + alpha))[0]
+    assert score == pytest.approx(expected, abs=1e-6)
+    assert enc.trace_cache.forward_texts == 50  # 1,225 pairs of 50 documents: 50 forward passes
+
+
+def test_offline_classification_task_end_to_end(embedder, tmp_path):
+    (task,) = offline_tasks(["fortunes_classification"])
+    enc = MoEEMTEBEncoder(embedder, method="moee_concat", prompt="prompteol")
+    result = mteb.evaluate(
+        enc, [task], cache=mteb.ResultCache(tmp_path), show_progress_bar=False, co2_tracker=False
+    )
+    scores = result.task_results[0].scores["test"][0]
+    assert 0.0 <= scores["accuracy"] <= 1.0 and scores["main_score"] == scores["accuracy"]
+    assert len(scores["scores_per_experiment"]) == 10
+
+
+def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
+    settings = EvalSettings(
+        methods=("hs", "moee_sum"),
+        prompts=(None,),
+        alpha="auto",
+        tasks="lee_sts,fortunes_clustering",
+        out=tmp_path,
+        baseline=False,
+        command="test",
+    )
+    summary = run_evaluation(settings, embedder=embedder, log=lambda m: None)
+    doc = json.loads(summary["tables_json"].read_text())
+    assert [r["label"] for r in doc["systems"]] == ["HS", "MoEE sum (alpha=auto)"]
+    for row in doc["systems"]:
+        assert set(row["tasks"]) == {"lee_sts", "fortunes_clustering"}
+        assert row["avg"] == pytest.approx(
+            (row["tasks"]["lee_sts"] + row["tasks"]["fortunes_clustering"]) / 2
+        )
+    (key, by_prompt), *others = json.loads(summary["alpha_choices"].read_text()).items()
+    assert not others and key == f"moee/tiny-olmoe@{model_identity(embedder)[1]} pooling=last score=softmax"
+    choices = by_prompt["none"]
+    assert doc["run"]["alpha_choices"]["none"]["lee_sts"] == choices["lee_sts"]["alpha"]
+    assert set(choices) == {"lee_sts", "fortunes_clustering"} and choices["lee_sts"]["n_texts"] == 50
+    assert doc["run"]["versions"]["mteb"] == mteb.__version__ and doc["run"]["command"] == "test"
+
+    # a rerun finds every (configuration, task) and the alpha choices on disk: no forward pass
+    calls = []
+    original = embedder.trace
+
+    def counting_trace(texts, **kwargs):
+        calls.append(len(texts))
+        return original(texts, **kwargs)
+
+    embedder.trace = counting_trace
+    try:
+        run_evaluation(settings, embedder=embedder, log=lambda m: None)
+        assert calls == []
+        settings.alpha = 1.0  # a new MoEE(sum) configuration: only it is computed
+        summary = run_evaluation(settings, embedder=embedder, log=lambda m: None)
+        assert sum(calls) == 50 + 320  # each distinct text once
+    finally:
+        embedder.trace = original
+    labels = [r["label"] for r in json.loads(summary["tables_json"].read_text())["systems"]]
+    assert labels == ["HS", "MoEE sum (alpha=1.0)", "MoEE sum (alpha=auto)"]
+
+
+def test_cli_paper_suite_offline_fails_with_a_clear_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    code = cli_main(["evaluate", "--tasks", "paper", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "moee evaluate: error: could not load the data of these tasks" in err
+    assert "STS12" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsys, monkeypatch):
+    """`moee quickstart` on a saved tiny model: embeddings, quick suite, tables, report, paths."""
+    model_dir = tmp_path / "tiny-model"
+    embedder.model.save_pretrained(model_dir)
+    embedder.tokenizer.save_pretrained(model_dir)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "qs"
+    code = cli_main(
+        ["quickstart", "--model", str(model_dir), "--out", str(out), "--no-baseline", "--device", "cpu"]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    for method in ("hs", "rw", "moee_concat", "moee_sum"):
+        vectors = np.load(out / "embeddings" / f"{method}.npy")
+        sidecar = json.loads((out / "embeddings" / f"{method}.npy.json").read_text())
+        assert vectors.shape[0] == len(json.loads((out / "embeddings" / "texts.json").read_text())["rows"])
+        assert sidecar["method"] == method and sidecar["prompt"] == "prompteol"
+    doc = json.loads((out / "mteb" / "tables.json").read_text())
+    assert len(doc["systems"]) == 4 and {t["family"] for t in doc["tasks"]} == {
+        "STS",
+        "Classification",
+        "Clustering",
+        "PairClassification",
+        "Retrieval",
+    }
+    assert (out / "report" / "report.html").is_file()
+    assert "| MoEE sum + PromptEOL (alpha=auto) |" in printed.replace("moee/tiny-model | ", "")
+    assert str(out / "mteb" / "tables.md") in printed and "quickstart finished" in printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--methods", "hs,cls"], "unknown method 'cls'"),
+        (["--alpha", "-1"], "alpha must be >= 0"),
+        (["--prompts", "none,promptEOL"], "promptEOL"),
+        (["--tasks", "nope"], "unknown task 'nope'"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_any_work(flags, message, tmp_path, capsys):
+    code = cli_main(["evaluate", "--out", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
