@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Run issue 6's benchmarks side by side (nice'd, single-threaded) and regenerate BENCHMARKS.md.
+#
+# Usage: scripts/run_benchmarks.sh [capture] [pipeline] [moe_layer] [training] [search] [gpu_smoke]
+#        (no argument: all of them). Results: bench/results/*.json and docs/bench_capture.json.
+#        BENCHMARKS.md is always rewritten from whatever result files exist.
+# Environment: PYTHON (default python), NICE (default 10), OMP_NUM_THREADS (default 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+run() { echo "+ $*" >&2; nice -n "${NICE:-10}" "$PY" "$@"; }
+
+selected=("$@")
+[ ${#selected[@]} -eq 0 ] && selected=(capture pipeline moe_layer training search)
+for name in "${selected[@]}"; do
+  case "$name" in
+    capture) run scripts/bench_capture.py --reps 21 ;;
+    pipeline)
+      run scripts/bench_pipeline.py
+      if [ -f moee/assets/default-model/config.json ]; then run scripts/bench_pipeline.py --model default; fi ;;
+    moe_layer) run scripts/bench_moe_layer.py --profile ;;
+    training) run scripts/bench_training.py --profile ;;
+    search)
+      run scripts/bench_search.py
+      run scripts/bench_search.py --isotropic --nprobe 8 32 128 256 ;;
+    gpu_smoke) run scripts/gpu_check.py --tiny --out /tmp/gpu_check_tiny.json ;;
+    *) echo "unknown benchmark: $name (capture pipeline moe_layer training search gpu_smoke)" >&2; exit 2 ;;
+  esac
+done
+"$PY" scripts/write_benchmarks_md.py

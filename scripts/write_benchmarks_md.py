@@ -1,0 +1,483 @@
+"""Regenerate BENCHMARKS.md from the benchmark result files (no figure is typed by hand).
+
+Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,gpu_check}.json`` and
+helper A's ``docs/bench_capture.json``; a missing file is reported as "not run" with its command.
+
+    python scripts/write_benchmarks_md.py [--results bench/results] [--out BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMANDS = {
+    "capture": "nice -n 10 env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python scripts/bench_capture.py --reps 21",
+    "pipeline": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_pipeline.py",
+    "moe_layer": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_moe_layer.py --profile",
+    "training": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_training.py --profile",
+    "search": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py",
+    "search_isotropic": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py --isotropic",
+    "gpu_check": "python scripts/gpu_check.py   # on a GPU machine; --tiny for a CPU smoke test",
+}
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _status(ok: bool | None) -> str:
+    return "—" if ok is None else ("met" if ok else "**missed**")
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _not_run(name: str) -> str:
+    return f"_Not run yet._ Command: `{COMMANDS[name]}`\n"
+
+
+def _command(result: dict[str, Any]) -> str:
+    return f"Command: `{result['command']}` ({result.get('utc', '')})\n"
+
+
+def _profile_block(title: str, table: str) -> list[str]:
+    return [f"<details><summary>{title}</summary>", "", "```", table.rstrip(), "```", "", "</details>", ""]
+
+
+def capture_section(cap: dict | None) -> tuple[list[str], list[list[str]]]:
+    if cap is None:
+        return ["## 1-2. Capture overhead and memory", "", _not_run("capture")], [
+            ["1", "capture overhead: encode(rw) / plain forward", "<= 1.03", "not run", "—"],
+            ["2", "capture memory at 1024 vs 64 tokens", "flat", "not run", "—"],
+        ]
+    o = cap["overhead"]
+    ratio = o["median_ratio_encode_vs_plain"]
+    by = {(r["mode"], r["length"]): r for r in cap["memory"]}
+    lengths = sorted({r["length"] for r in cap["memory"]})
+    summ = cap["memory_summary"]
+    lines = [
+        "## 1-2. Capture overhead and memory (helper A's `scripts/bench_capture.py`)",
+        "",
+        f"Command: `{cap['command']}`; {cap['machine']}. Full write-up: `docs/bench_capture.md`.",
+        "",
+        f"Tiny OLMoE (hidden {cap['model']['hidden_size']}, {cap['model']['n_layers']} layers, "
+        f"{cap['model']['n_experts']} experts, top-{cap['model']['top_k']}), {o['n_texts']} texts of "
+        f"{o['seq_len']} tokens, batch {o['batch_size']}, {o['reps']} interleaved repetitions.",
+        "",
+        "| path | median s |",
+        "|---|---|",
+        f"| plain backbone forward of the same batches | {o['median_s']['plain']:.4f} |",
+        f'| `encode(method="rw")` | {o["median_s"]["encode"]:.4f} |',
+        f"| full causal-LM forward (what a user without moee runs) | {o['median_s']['full_lm']:.4f} |",
+        "",
+        f"Median per-repetition ratio encode / plain forward: **{ratio:.3f}** (goal <= 1.03; issue 2 accepts "
+        f"<= 1.05); vs the full LM forward: {o['median_ratio_encode_vs_full_lm_forward']:.3f}. "
+        "The ratios of single repetitions spread over "
+        f"{min(o['ratios']):.2f}-{max(o['ratios']):.2f} on this shared machine, so the median is the figure.",
+        "",
+        "| seq len | recorder keeps (bytes) | output_router_logits + output_hidden_states keep (bytes) |",
+        "|---|---|---|",
+    ]
+    for length in lengths:
+        lines.append(
+            f"| {length} | {by[('recorder', length)]['kept_bytes']:,} | {by[('output_flags', length)]['kept_bytes']:,} |"
+        )
+    lines += [
+        "",
+        f"The recorder's kept bytes are flat in length ({summ['recorder_kept_1024_over_64']:.2f}x from 64 to 1024); "
+        f"the output flags grow {summ['flags_kept_1024_over_64']:.1f}x and at 1024 tokens keep "
+        f"**{summ['flags_over_recorder_kept_at_1024']:.0f}x** the recorder's bytes.",
+        "",
+    ]
+    rows = [
+        [
+            "1",
+            "capture overhead: encode(rw) / plain forward",
+            "<= 1.03",
+            f"{ratio:.3f}",
+            _status(ratio <= 1.03),
+        ],
+        [
+            "2",
+            "capture memory, 1024 vs 64 tokens (ratio to output flags at 1024)",
+            "flat; report ratio",
+            f"{summ['recorder_kept_1024_over_64']:.2f}x ({summ['flags_over_recorder_kept_at_1024']:.0f}x less than flags)",
+            _status(summ["recorder_kept_1024_over_64"] <= 1.0 + 1e-9),
+        ],
+    ]
+    return lines, rows
+
+
+def pipeline_section(p: dict | None, extra: list[dict]) -> tuple[list[str], list[list[str]]]:
+    title = "## 3. Embedding pipeline throughput"
+    if p is None:
+        return [title, "", _not_run("pipeline")], [
+            ["3", "pipeline vs naive / vs sentence-transformers", ">= 2x / >= 1x", "not run", "—"]
+        ]
+    lines = [title, "", _command(p)]
+    for result in [p, *extra]:
+        c = result["config"]
+        t = c["tokens_per_text"]
+        lines += [
+            f"**Model `{c['model']}`** ({c['model_class']}, {c['moe_layers']} MoE layers x {c['experts']} experts, "
+            f"hidden {c['hidden']}; tokenizer {c['tokenizer']}); {c['texts']} texts from {c['text_source']}, tokens per "
+            f"text mean {t['mean']:.0f}, median {t['p50']:.0f}, p95 {t['p95']:.0f}, max {t['max']}; batch {c['batch_size']}, "
+            f"{c['repeats']} interleaved repetitions, {c['dtype']}.",
+            "",
+            "| pipeline | texts/s (median) |",
+            "|---|---|",
+        ]
+        for name, stats in result["throughput"].items():
+            lines.append(f"| {name} | {stats['texts_per_s']:.1f} |")
+        lines += ["", "| ratio (median of per-repetition ratios) | value |", "|---|---|"]
+        for name, value in result["speedups"].items():
+            lines.append(f"| {name} | {_x(value)} |")
+        lines.append("")
+        excluded = c.get("truncated_texts_excluded_from_equality_check", 0)
+        lines.append(
+            "Checked equal before timing: "
+            + ", ".join(f"{k} = {v:.1e}" for k, v in result["equality_checks"].items())
+            + (
+                f" ({excluded} text(s) longer than the model's maximum length excluded: each pipeline truncates "
+                "its own way)"
+                if excluded
+                else ""
+            )
+        )
+        if result.get("sentence_transformers_error"):
+            lines.append(
+                f"sentence-transformers could not load this model: `{result['sentence_transformers_error']}`"
+            )
+        lines.append("")
+    s = p["speedups"]
+    st = s.get("ours_hs_vs_sentence_transformers")
+    lines += [
+        "Why: the naive pipeline pads every input-order batch to its longest text, so on this length mix it "
+        "pushes several times more (padded) tokens through the model than length-sorted batches do, and it returns "
+        "every layer's hidden states and router logits for every token. sentence-transformers also sorts its inputs by "
+        "length (in characters; ours sorts by tokens), "
+        "so against it the comparison is of the per-batch work only (both run the same backbone; ours additionally "
+        "pools the routing inside hooks).",
+        "",
+    ]
+    pad = p["config"].get("padded_tokens")
+    if pad:
+        lines += [
+            f"Token positions through the model: {pad['real']:,} real; {pad['input_order_batches']:,} with input-order "
+            f"batches ({pad['input_order_batches'] / pad['real']:.2f}x); {pad['length_sorted_batches']:,} with "
+            f"length-sorted batches ({pad['length_sorted_batches'] / pad['real']:.2f}x).",
+            "",
+        ]
+    if not p["passed"]["vs_naive"]:
+        lines += [
+            f"**Miss (>= 2x naive)**: {_x(s['ours_vs_naive'])}. The gain is bounded by the padding ratio above "
+            "(attention grows faster, everything else linearly), and the naive pipeline here already skips the "
+            "LM head (with it, as `AutoModelForCausalLM` users run it, see `ours_vs_naive_lm_head` when measured).",
+            "",
+        ]
+    if st is not None and st < 1.0:
+        lines += [
+            f"**Miss**: ours (HS) runs at {_x(st)} of sentence-transformers. Both run the same backbone forward on "
+            "the same length-sorted batches; the difference is the capture hooks plus rounding noise of a shared machine.",
+            "",
+        ]
+    row = [
+        "3",
+        "encode vs naive pipeline / vs sentence-transformers (HS)",
+        ">= 2x / >= 1x",
+        f"{_x(s['ours_vs_naive'])} / {_x(st) if st is not None else 'n/a'}",
+        _status(p["passed"]["vs_naive"] and p["passed"]["vs_sentence_transformers"])
+        if st is not None
+        else _status(p["passed"]["vs_naive"]),
+    ]
+    return lines, [row]
+
+
+def moe_section(m: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 4. MoE layer forward+backward"
+    if m is None:
+        return [title, "", _not_run("moe_layer")], [
+            ["4", "MoE layer vs transformers / seeds' loop", ">= 1x / >= 5x", "not run", "—"]
+        ]
+    c = m["config"]
+    sp = m["speedup_of_ours"]
+    floor = m["time_over_matmul_floor"]
+    lines = [
+        title,
+        "",
+        _command(m),
+        f"E={c['experts']}, k={c['k']}, d={c['d']}, expert hidden {c['expert_hidden']} ({c['expert']}), "
+        f"{c['tokens']} tokens, {c['dtype']}, {c['repeats']} interleaved repetitions; weights copied from the "
+        "transformers block, outputs and input gradients checked equal first "
+        f"(max abs diff of ours: {m['equality_checks_vs_hf_grouped_mm']['ours']['max_abs_diff_output']:.1e}).",
+        "",
+        "| variant | tokens/s | time / GEMM floor |",
+        "|---|---|---|",
+    ]
+    for name, stats in m["forward_backward"].items():
+        lines.append(f"| {name} | {stats['tokens_per_s']:.0f} | {floor.get(name, 1.0):.2f} |")
+    lines += ["", "| ours vs | speedup |", "|---|---|"]
+    for name, value in sp.items():
+        lines.append(f"| {name} | {_x(value)} |")
+    lines += [
+        "",
+        "`matmul_floor` runs only the GEMMs every implementation must do (router, per-expert in- and "
+        "out-projections at N*k/E rows each; forward, input-gradient and weight-gradient products), so "
+        f"`seeds_loop time / floor = {floor['seeds_loop']:.2f}` is the largest speedup **any** implementation "
+        "could reach over the seeds' loop on this machine.",
+        "",
+    ]
+    if not m["passed"]["vs_seeds_loop"]:
+        lines += [
+            f"**Miss (>= 5x the seeds' loop)**: ours is {_x(sp['seeds_loop'])}. On a CPU the seeds' loop is "
+            "compute-bound like ours: each expert's slice is a reasonably sized GEMM, and its Python loop, "
+            "boolean masks and the per-expert `out[mask] +=` (whose backward materialises a full `[N, d]` "
+            f"gradient per expert) only add {floor['seeds_loop'] - 1:.0%} over the GEMM floor. A 5x gain needs "
+            "a machine where the loop's per-expert launches and host synchronisations (`mask.any()`) dominate, "
+            "i.e. a GPU: `scripts/gpu_check.py` measures the same three variants there.",
+            "",
+        ]
+    lines += [
+        f"What limits ours: it runs at {floor['ours']:.2f}x the GEMM floor; the rest is memory-bound elementwise "
+        "work on the N*k token copies (the routing-weight and SwiGLU multiplies, the gather of x and the "
+        "scatter-add back; see its profile below).",
+        "",
+    ]
+    if not m["passed"]["vs_transformers_default"]:
+        lines += [
+            f"**Miss (>= 1x transformers)**: ours is {_x(sp['hf_grouped_mm'])} of `hf_grouped_mm`; see the profile.",
+            "",
+        ]
+    for name, table in (m.get("profiles") or {}).items():
+        lines += _profile_block(f"torch.profiler, {name} (3 steps, top operators by self CPU time)", table)
+    hf = sp.get("hf_grouped_mm", 0.0)
+    row = [
+        "4",
+        "MoE layer fwd+bwd vs transformers OLMoE block / seeds' loop",
+        ">= 1x / >= 5x",
+        f"{_x(hf)} / {_x(sp['seeds_loop'])} (bound {floor['seeds_loop']:.2f}x)",
+        _status(m["passed"]["vs_transformers_default"] and m["passed"]["vs_seeds_loop"]),
+    ]
+    return lines, [row]
+
+
+def training_section(t: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 5. Training efficiency"
+    if t is None:
+        return [title, "", _not_run("training")], [["5", "training MFU", ">= 40%", "not run", "—"]]
+    c = t["config"]
+    mfu = t["mfu_vs_matmul_of_same_shapes"]
+    p = t["params"]
+    lines = [
+        title,
+        "",
+        _command(t),
+        f"Config `{c['config_file']}`: {json.dumps(c['model'])}; seq_len {c['seq_len']}, batch {c['batch_size']} "
+        f"({c['tokens_per_step']} tokens/step), {c['torch_threads']} torch thread(s), data: {c['data']}; "
+        f"{c['steps']} timed AdamW steps interleaved with the matmul probe.",
+        "",
+        f"Parameters: {p['total'] / 1e6:.2f} M total, **{p['active_per_token'] / 1e6:.2f} M active per token** "
+        f"(routed experts {p['routed_experts_active'] / 1e6:.2f} of {p['routed_experts_total'] / 1e6:.2f} M, "
+        f"attention/router/dense {p['attention_router_dense_norm'] / 1e6:.2f} M, LM head {p['lm_head'] / 1e6:.2f} M); "
+        f"FLOPs per token {t['flops_per_token'] / 1e6:.1f} M (6 x active + PaLM attention term).",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| training throughput | {t['train_step']['tokens_per_s']:.0f} tokens/s |",
+        f"| achieved | {t['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s |",
+        f"| dense matmul, the model's GEMM shapes | {t['matmul_probe_flops_per_s'] / 1e9:.2f} GFLOP/s |",
+        f"| dense matmul, square {t.get('square_matmul_size', 1024)}^3 | "
+        f"{t.get('square_matmul_flops_per_s', t.get('square_1024_flops_per_s', 0.0)) / 1e9:.2f} GFLOP/s |",
+        f"| **MFU vs same-shape matmul** | **{mfu:.1%}** |",
+        f"| MFU vs square matmul | {t['mfu_vs_square_matmul']:.1%} |",
+        "",
+    ]
+    if mfu < 0.40:
+        lines += [
+            f"**Miss**: {mfu:.1%} < 40%. The step profile below shows where the time outside GEMMs goes "
+            "(elementwise SwiGLU/RMSNorm/RoPE ops, the softmax cross-entropy over the vocabulary, dispatch "
+            "gathers/scatters and AdamW's per-parameter updates run at memory bandwidth, not at GEMM speed).",
+            "",
+        ]
+    if t.get("profile"):
+        lines += _profile_block(
+            "torch.profiler, one training step (top operators by self CPU time)", t["profile"]
+        )
+    return lines, [
+        ["5", "training: achieved / dense-matmul FLOP/s", ">= 40%", f"{mfu:.1%}", _status(mfu >= 0.40)]
+    ]
+
+
+def search_section(s: dict | None, iso: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 6. Search"
+    if s is None:
+        return [title, "", _not_run("search")], [
+            ["6", "search: flat vs numpy / IVF recall@10", ">= 5x / >= 0.95", "not run", "—"]
+        ]
+    lines = [title, ""]
+    for result in [x for x in (s, iso) if x is not None]:
+        c = result["config"]
+        r = result["ratios"]
+        lines += [
+            _command(result),
+            f"{c['n']:,} x {c['dim']} float32 ({c['data']}), {c['queries']} held-out queries "
+            f"({c['per_query_queries']} for the per-query loop), top-{c['k']}, {c['repeats']} interleaved repetitions; "
+            f"IVF nlist={c['nlist']}, nprobe={c['nprobe']} (smallest of the sweep reaching recall 0.95).",
+            "",
+            "| method | ms / query | recall@10 |",
+            "|---|---|---|",
+        ]
+        for name, stats in result["seconds_per_query"].items():
+            lines.append(f"| {name} | {stats['median_s'] * 1e3:.3f} | {result['recall_at_k'][name]:.4f} |")
+        lines += ["", "| ratio | value |", "|---|---|"]
+        for name, value in r.items():
+            lines.append(f"| {name} | {_x(value)} |")
+        lines += [
+            "",
+            "IVF recall/speed trade-off: "
+            + ", ".join(
+                f"nprobe {p['nprobe']}: {p['recall_at_k']:.3f} @ {p['queries_per_s']:.0f} q/s"
+                for p in result["ivf_sweep"]
+            ),
+            "",
+        ]
+    r = s["ratios"]
+    lines += [
+        "The goal ratio is against numpy as one writes it first (a matrix-vector product and a sort per query). "
+        f"Against numpy's best, one blocked GEMM plus `argpartition` over all queries, faiss flat is {_x(r['flat_speedup_vs_numpy_batched'])}: "
+        "both spend their time in the same BLAS GEMM, faiss saves the score-matrix round trip and the partial sort.",
+        "",
+    ]
+    ok = s["passed"]["flat_vs_numpy"] and s["passed"]["ivf_recall"]
+    row = [
+        "6",
+        "search: faiss flat vs numpy / IVF recall@10",
+        ">= 5x / >= 0.95",
+        f"{_x(r['flat_speedup_vs_numpy_per_query'])} (batched numpy {_x(r['flat_speedup_vs_numpy_batched'])}) / "
+        f"{s['recall_at_k']['faiss_ivf']:.3f}",
+        _status(ok),
+    ]
+    return lines, [row]
+
+
+def gpu_section(g: dict | None) -> list[str]:
+    lines = ["## GPU check (`scripts/gpu_check.py`)", ""]
+    if g is None or g.get("tiny"):
+        lines += [
+            "No GPU machine was lent to this session, so the GPU figures are not measured here. On a GPU machine run "
+            "`python scripts/gpu_check.py` (under 5 minutes on one H200; writes `bench/results/gpu_check.json`): bf16 "
+            "encode throughput of a randomly initialised OLMoE-1B-7B-sized model, capture overhead, faiss GPU search "
+            "(with `pip install 'moee[gpu]'`), and the MoE layer comparison on the GPU. "
+            "`python scripts/gpu_check.py --tiny` is its CPU smoke test.",
+            "",
+        ]
+        if g is not None:
+            lines += [
+                f"Smoke test ({g['device']}, tiny): {g['total_seconds']:.0f} s, errors: {list(g['errors']) or 'none'}.",
+                "",
+            ]
+        return lines
+    lines += [f"Command: `{g['command']}` on {g['machine'].get('gpu', g['device'])}", "", "```json"]
+    lines.append(
+        json.dumps(
+            {k: g.get(k) for k in ("model", "encode", "capture_overhead", "search", "moe_layer", "errors")},
+            indent=2,
+        )
+    )
+    lines += ["```", ""]
+    return lines
+
+
+LARGE_MODELS = """## Large models: placement, precision, quantisation
+
+What a user with a model larger than one device does, and what is verified here
+(`tests/test_large_model_paths.py`, run in CI on a CPU-only machine):
+
+| option | how | verified |
+|---|---|---|
+| spread layers over devices | `MoEEmbedder.from_pretrained(name, device_map="auto")` (or an explicit map; CLI `--device-map auto`) | `device_map="auto"` gives the all-CPU rows; with a memory budget (`max_memory`) accelerate itself puts layers on disk and capture still gives the same rows |
+| offload to CPU/disk | `device_map=..., offload_folder=DIR` (accelerate keeps offloaded weights on `meta` and loads each layer just before it runs) | layers alternating CPU / disk, also with the input embedding offloaded: RW (softmax and native scores), HS and pooled traces equal the all-CPU model (max abs diff <= 1e-6) |
+| half precision | `dtype=torch.bfloat16` / `torch.float16` / `"bfloat16"` (CLI `--dtype bfloat16`) | all weights in that dtype; vectors are float32 and within cosine 0.99 of the float32 model |
+| 4-bit NF4 | `pip install 'moee[quant]'`, CLI `--load-in-4bit` or `quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)` passed through `from_pretrained` | **GPU only** (bitsandbytes kernels need CUDA): the test loads the tiny model in 4 bits and checks `Linear4bit` layers and finite vectors; it is skipped on CPU-only machines, where the missing-extra error is tested instead |
+
+Inputs go to the input embedding's accelerate execution device (`moee.loading.input_device`), not to the
+device of the first parameter, which is `meta` when the embedding is offloaded. The recorder's hooks sit
+on the router modules inside each decoder layer, i.e. inside the unit accelerate moves, so they see
+materialised weights; pooled tensors from layers on different devices are gathered on the CPU.
+
+"""
+
+
+def machine_lines(results: list[dict]) -> list[str]:
+    first = next((r for r in results if r is not None), None)
+    if first is None:
+        return []
+    m, v = first["machine"], first["versions"]
+    return [
+        f"- Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m.get('memory_gb')} GB RAM, {m['platform']}; "
+        "shared with other jobs (1-minute load averages at the start of each run: "
+        + ", ".join(
+            f"{r['benchmark']} {r['machine']['load_average_1m']:.1f}" for r in results if r is not None
+        )
+        + "). Every benchmark runs single-threaded (`OMP_NUM_THREADS=1`) and nice'd.",
+        "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val is not None),
+    ]
+
+
+def render(results_dir: Path, capture_json: Path) -> str:
+    get = lambda name: _load(results_dir / f"{name}.json")  # noqa: E731
+    pipeline, moe, training, search, iso, gpu = (
+        get(n) for n in ("pipeline", "moe_layer", "training", "search", "search_isotropic", "gpu_check")
+    )
+    extra_pipelines = [_load(p) for p in sorted(results_dir.glob("pipeline_*.json"))]
+    parts = [
+        capture_section(_load(capture_json)),
+        pipeline_section(pipeline, [x for x in extra_pipelines if x]),
+        moe_section(moe),
+        training_section(training),
+        search_section(search, iso),
+    ]
+    rows = [row for _, part_rows in parts for row in part_rows]
+    out = [
+        "# Benchmarks",
+        "",
+        "Issue 6's six figures, each a ratio of variants **measured side by side in one process**: every "
+        "repetition times every variant once, in rotating order, and the figure is the median of the "
+        "per-repetition ratios (these machines are shared and noisy; load that drifts over minutes hits "
+        "both sides of a ratio alike). Results, machine, versions and the exact command are in "
+        "`bench/results/*.json`; this file is generated from them by `scripts/write_benchmarks_md.py`, and "
+        "`scripts/run_benchmarks.sh` reruns everything.",
+        "",
+        *machine_lines([pipeline, moe, training, search, iso]),
+        "",
+        "| # | benchmark | goal | measured | status |",
+        "|---|---|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
+    for lines, _ in parts:
+        out += lines
+    out += gpu_section(gpu)
+    out += LARGE_MODELS.splitlines()
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--capture", type=Path, default=ROOT / "docs" / "bench_capture.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    args.out.write_text(render(args.results, args.capture))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
