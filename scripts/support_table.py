@@ -34,6 +34,19 @@ NOTES = {
 }
 
 
+README_START, README_END = "<!-- support-table:start -->", "<!-- support-table:end -->"
+
+
+def splice_into_readme(body: str, readme: Path = ROOT / "README.md") -> None:
+    """Put the generated table between the README's markers, so the README never drifts from it."""
+    text = readme.read_text()
+    head, sep, rest = text.partition(README_START)
+    _, sep2, tail = rest.partition(README_END)
+    if not (sep and sep2):
+        raise ValueError(f"{readme} lacks the {README_START} ... {README_END} markers")
+    readme.write_text(f"{head}{README_START}\n{body.strip()}\n{README_END}{tail}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "support_table.md")
@@ -104,6 +117,7 @@ def main() -> int:
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
+    splice_into_readme("\n".join(lines[2:]))
     print(f"wrote {args.out} ({len(rows)} architectures)", file=sys.stderr)
     for line in failed:
         print("FAILED", line, file=sys.stderr)
