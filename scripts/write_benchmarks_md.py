@@ -328,7 +328,12 @@ def search_section(s: dict | None, iso: dict | None) -> tuple[list[str], list[li
             _command(result),
             f"{c['n']:,} x {c['dim']} float32 ({c['data']}), {c['queries']} held-out queries "
             f"({c['per_query_queries']} for the per-query loop), top-{c['k']}, {c['repeats']} interleaved repetitions; "
-            f"IVF nlist={c['nlist']}, nprobe={c['nprobe']} (smallest of the sweep reaching recall 0.95).",
+            f"IVF nlist={c['nlist']}, nprobe={c['nprobe']} "
+            + (
+                "(smallest of the sweep reaching recall 0.95)."
+                if result["recall_at_k"]["faiss_ivf"] >= 0.95
+                else "(no nprobe of the sweep reached recall 0.95; the largest is timed)."
+            ),
             "",
             "| method | ms / query | recall@10 |",
             "|---|---|---|",
@@ -345,6 +350,14 @@ def search_section(s: dict | None, iso: dict | None) -> tuple[list[str], list[li
                 f"nprobe {p['nprobe']}: {p['recall_at_k']:.3f} @ {p['queries_per_s']:.0f} q/s"
                 for p in result["ivf_sweep"]
             ),
+            "",
+        ]
+    if iso is not None:
+        lines += [
+            f"Isotropic random vectors are the worst case for IVF: with no neighbourhood structure for its cells to "
+            f"capture, recall@10 is {iso['recall_at_k']['faiss_ivf']:.2f} even when {iso['config']['nprobe']} of "
+            f"{iso['config']['nlist']} cells are probed; the goal is stated on clustered data, and flat search stays "
+            "exact on any data.",
             "",
         ]
     r = s["ratios"]
