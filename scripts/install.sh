@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install moee into the active Python environment (a virtualenv is recommended).
 #
-#   bash scripts/install.sh          # the package and its runtime dependencies
+#   bash scripts/install.sh          # the package, its runtime dependencies and the dense baseline
 #   bash scripts/install.sh --dev    # plus the test tools (pytest, ruff, hypothesis, ...)
 #
 # An existing torch is never replaced, so a GPU user's CUDA build stays in place. Only when
@@ -11,7 +11,7 @@ set -euo pipefail
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
 
-extras=""
+extras="[baseline]"  # the main job (moee quickstart) compares against all-MiniLM-L6-v2
 for arg in "$@"; do
   case "$arg" in
     --dev) extras="[dev]" ;;
