@@ -209,6 +209,18 @@ def _cv(v: torch.Tensor) -> torch.Tensor:
     return torch.where(mean > 0, v.std(unbiased=False) / mean.clamp_min(1e-12), torch.zeros_like(mean))
 
 
+def balance_stats(importance: torch.Tensor, load: torch.Tensor) -> dict[str, torch.Tensor]:
+    """CV(importance), CV(load) and max/mean load: the seeds' Table 6 balance columns (0 when empty)."""
+    mean_load = load.mean()
+    return {
+        "cv_importance": _cv(importance),
+        "cv_load": _cv(load),
+        "max_over_mean_load": torch.where(
+            mean_load > 0, load.max() / mean_load.clamp_min(1e-12), torch.zeros_like(mean_load)
+        ),
+    }
+
+
 def routing_stats(
     probs: torch.Tensor,
     indices: torch.Tensor,
@@ -232,15 +244,10 @@ def routing_stats(
             n_rows = int(keep.sum())
         importance = probs.float().sum(0)
         load = torch.bincount(indices[slot_mask.bool()], minlength=n_experts).float()
-        mean_load = load.mean()
         return {
             "importance": importance,
             "load": load,
-            "cv_importance": _cv(importance),
-            "cv_load": _cv(load),
-            "max_over_mean_load": torch.where(
-                mean_load > 0, load.max() / mean_load.clamp_min(1e-12), torch.zeros_like(mean_load)
-            ),
+            **balance_stats(importance, load),
             "dropped_tokens": torch.zeros((), dtype=torch.float32),
             "tokens": torch.tensor(float(n_rows)),
         }

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from moee.moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moee.moe.layer import balance_stats
 
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -300,14 +301,12 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
     loss = total_nll / total_tokens
     layers = []
     for load, imp in zip(loads or [], importance or []):
-        mean = float(load.mean())
+        stats = balance_stats(imp.float(), load.float())
         layers.append(
             {
-                "cv_load": float(load.std(unbiased=False) / load.mean()) if mean > 0 else 0.0,
-                "max_over_mean_load": float(load.max() / load.mean()) if mean > 0 else 0.0,
-                "cv_importance": float(imp.std(unbiased=False) / imp.mean())
-                if float(imp.mean()) > 0
-                else 0.0,
+                "cv_load": float(stats["cv_load"]),
+                "max_over_mean_load": float(stats["max_over_mean_load"]),
+                "cv_importance": float(stats["cv_importance"]),
                 "load": load.tolist(),
             }
         )
