@@ -22,7 +22,6 @@ forward pass per text instead of four. Several encoders may share one cache.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 import os
 from collections.abc import Mapping
@@ -163,14 +162,14 @@ class TraceCache:
     def _trace(
         self, texts: list[str], batch_size: int, show_progress_bar: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        trace_fn = self.embedder.trace
-        kwargs: dict[str, Any] = {"pooling": self.pooling, "prompt": self.prompt, "score": self.score}
-        params = inspect.signature(trace_fn).parameters
-        if "batch_size" in params:
-            kwargs["batch_size"] = batch_size
-        if "show_progress_bar" in params:
-            kwargs["show_progress_bar"] = show_progress_bar
-        trace = trace_fn(texts, **kwargs)
+        trace = self.embedder.trace(
+            texts,
+            pooling=self.pooling,
+            prompt=self.prompt,
+            score=self.score,
+            batch_size=batch_size,
+            show_progress_bar=show_progress_bar,
+        )
         hs = np.asarray(trace.hs, dtype=np.float32)
         rw = np.asarray(trace.rw, dtype=np.float32)
         if hs.shape[0] != len(texts) or rw.shape[0] != len(texts):
