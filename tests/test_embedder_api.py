@@ -212,3 +212,45 @@ def test_bad_max_length(emb):
         MoEEmbedder(emb.model, emb.tokenizer, max_length=0)
     with pytest.raises(TypeError, match="tokenizer"):
         MoEEmbedder(emb.model, None)
+
+
+def test_concurrent_encode_from_threads_equals_serial(emb):
+    """Threads share the model's routers: every traced forward holds the model's lock, so no thread
+    sees another thread's hooks fire (wrong rows) and none raises "router ran twice"."""
+    import threading
+
+    other = MoEEmbedder(emb.model, emb.tokenizer)  # a second embedder of the same model shares the lock
+    jobs = [
+        (e, [f"{TEXTS[(i + j) % len(TEXTS)]} {i}" for j in range(3 + i % 4)], method)
+        for i, (e, method) in enumerate(
+            [(emb, "moee_sum"), (other, "rw"), (emb, "hs"), (other, "moee_concat")] * 2
+        )
+    ]
+    expected = [e.encode(texts, method=method, batch_size=2) for e, texts, method in jobs]
+    expected_routes = [r.probs for r in emb.iter_token_routes(TEXTS, batch_size=2)]
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(jobs))
+
+    def work(k: int) -> None:
+        e, texts, method = jobs[k]
+        try:
+            barrier.wait()
+            out = [e.encode(texts, method=method, batch_size=2) for _ in range(10)]
+            out.append([r.probs for r in e.iter_token_routes(TEXTS, batch_size=2)])
+            results[k] = out
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, out in results.items():
+        for got in out[:-1]:
+            np.testing.assert_array_equal(got, expected[k])
+        for got, want in zip(out[-1], expected_routes, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert sum(len(m._forward_hooks) for m in emb.model.modules()) == 0

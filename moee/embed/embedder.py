@@ -22,13 +22,18 @@ Deliberate behaviour:
   ``model_max_length`` and the config's ``max_position_embeddings``) on the tokenizer's
   ``truncation_side`` (right by default), with one warning saying how many texts were truncated.
 * No row is ever dropped or reordered.
+* **Threads** may share an embedder (or several embedders of one model): each traced forward holds
+  the model's lock (:func:`model_lock`), so concurrent calls run one at a time and return exactly
+  the serial results.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +49,7 @@ from moee.embed.methods import METHODS, POOLINGS, SCORES, combine, output_dim
 from moee.embed.prompts import render_prompts, resolve_prompt
 from moee.embed.validation import check_alpha, check_choice, check_positive_int, check_texts
 
-__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR"]
+__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,24 @@ PROGRESS_BAR_MIN_TEXTS = 256
 
 # Upper bound on a believable tokenizer `model_max_length` (tokenizers use 1e30 for "unset").
 _UNSET_MAX_LENGTH = 10**6
+
+# One lock per model object, kept beside it (not on it, so the model still deep-copies and pickles).
+_MODEL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The re-entrant lock every traced forward of ``model`` holds.
+
+    Capture hooks sit on the model's shared router modules, so a forward from one thread fires the
+    hooks of every recorder installed by another thread: without the lock concurrent calls return
+    rows of the wrong texts or fail. Every :class:`MoEEmbedder` of one model shares this lock.
+    """
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
 
 
 @dataclass
@@ -125,6 +148,7 @@ class MoEEmbedder:
             raise TypeError("tokenizer must be a transformers tokenizer (callable)")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self._lock = model_lock(model)
         self.routers = find_routers(model)
         sizes = sorted({r.n_experts for r in self.routers})
         if len(sizes) != 1:
@@ -300,9 +324,11 @@ class MoEEmbedder:
         rw = np.zeros((n, self.n_moe_layers, self.n_experts), dtype=np.float32)
         hs = np.zeros((n, self.hidden_size), dtype=np.float32)
         hs_all = None
-        seqs = self._tokenize(render_prompts(texts, template))
+        with self._lock:  # a fast tokenizer's settings are shared state too
+            seqs = self._tokenize(render_prompts(texts, template))
         order = sorted(range(n), key=lambda i: -len(seqs[i]))  # longest first: memory errors show early
         with (
+            self._lock,
             RoutingRecorder(
                 self.model, self.routers, pooling=pooling, score=score, hs_layers=hs_layers
             ) as recorder,
@@ -389,11 +415,13 @@ class MoEEmbedder:
         template = resolve_prompt(prompt)
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]
-            seqs = self._tokenize(render_prompts(chunk, template))
+            with self._lock:
+                seqs = self._tokenize(render_prompts(chunk, template))
             batch = self._batch_tensors(seqs)
             # Hooks live for one batch only, so nothing stays installed while the caller holds
             # the generator between items.
             with (
+                self._lock,
                 RoutingRecorder(self.model, self.routers, pooling="tokens", score=score) as recorder,
                 torch.inference_mode(),
             ):
