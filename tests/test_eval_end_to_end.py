@@ -182,6 +182,35 @@ def test_offline_classification_task_end_to_end(embedder, tmp_path):
     assert len(scores["scores_per_experiment"]) == 10
 
 
+@pytest.mark.parametrize("method", ["rw", "moee_sum"])
+def test_offline_pair_task_scores_the_similarity_the_method_defines(embedder, tmp_path, method):
+    """The pair task's score is the AP of the cosine (for MoEE sum: the similarity sum), never the
+    best of cosine / Manhattan / Euclidean / dot that mteb's max_ap picks on the test labels."""
+    from sklearn.metrics import average_precision_score
+
+    (task,) = offline_tasks(["bible_pair_classification_quick"])
+    enc = MoEEMTEBEncoder(embedder, method=method, alpha=0.5)
+    assert enc.mteb_model_meta.similarity_fn_name == "cosine"
+    result = mteb.evaluate(
+        enc, [task], cache=mteb.ResultCache(tmp_path), show_progress_bar=False, co2_tracker=False
+    )
+    scores = result.task_results[0].scores["test"][0]
+    task.load_data()
+    rows = task.dataset["default"]["test"]
+    a = enc.embed_texts(list(rows["sentence1"]), task_name=task.metadata.name)
+    b = enc.embed_texts(list(rows["sentence2"]), task_name=task.metadata.name)
+    cosine = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    if method == "moee_sum":  # the cosine of the emitted vector is the paper's similarity sum
+        hs, rw = enc.trace_cache.get(list(rows["sentence1"]) + list(rows["sentence2"]))
+        n = len(rows)
+        c_h, c_r = pair_similarities(hs, rw, np.arange(n), np.arange(n, 2 * n))
+        np.testing.assert_allclose(cosine, (c_h + 0.5 * c_r) / 1.5, atol=1e-5)
+    expected = average_precision_score(list(rows["labels"]), cosine)
+    assert scores["main_score"] == pytest.approx(expected, abs=1e-5)
+    assert scores["main_score"] == scores["cosine_ap"]
+    assert task.metadata.main_score == "similarity_ap"
+
+
 def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
     settings = EvalSettings(
         methods=("hs", "moee_sum"),

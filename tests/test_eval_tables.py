@@ -18,6 +18,7 @@ from moee.evaluation.tables import (
     family_markdown,
     family_scores,
     load_results,
+    task_markdown,
     write_tables,
 )
 
@@ -166,3 +167,48 @@ def test_revisions_of_one_model_are_told_apart():
     rs.add(System("moee/m", "bbb", (("method", "hs"),)), "t", 2.0, "STS")
     rs.add(System("other", "ccc"), "t", 3.0, "STS")
     assert [r["model"] for r in build_tables(rs)["systems"]] == ["moee/m@aaa", "moee/m@bbb", "other"]
+
+
+def _save_scores(cache: ResultCache, meta: ModelMeta, task: str, scores: dict[str, float]) -> None:
+    result = TaskResult.model_validate(
+        {
+            "dataset_revision": "1",
+            "task_name": task,
+            "mteb_version": "2.26.24",
+            "scores": {"test": [{**scores, "hf_subset": "default", "languages": ["eng-Latn"]}]},
+            "evaluation_time": 1.0,
+        }
+    )
+    cache.save_to_cache(result, meta)
+
+
+@pytest.mark.parametrize("task", ["bible_pair_classification", "TwitterURLCorpus"])
+def test_pair_classification_reads_the_models_own_similarity_not_max_ap(tmp_path, task):
+    """mteb's main score of a pair task may be max_ap, the best of cosine / Manhattan / Euclidean / dot
+    picked on the test labels; the tables score every method by its own (cosine) similarity and show
+    max_ap only beside it, labelled, outside every average."""
+    cache = ResultCache(tmp_path)
+    rw = _meta("moee/m", method="rw", pooling="last", prompt="prompteol", score="softmax")
+    _save_scores(
+        cache,
+        rw,
+        task,
+        {"similarity_ap": 0.79, "cosine_ap": 0.79, "manhattan_ap": 0.82, "max_ap": 0.82, "main_score": 0.82},
+    )
+    rs = load_results(tmp_path)
+    (scores,) = rs.scores.values()
+    assert scores == {task: pytest.approx(79.0)}
+    doc = build_tables(rs)
+    row = doc["systems"][0]
+    assert row["families"]["PairClassification"] == pytest.approx(79.0)
+    assert row["max_ap"] == {task: pytest.approx(82.0)}
+    md = "\n".join([family_markdown(doc), task_markdown(doc)])
+    assert "82.00" in md and "max_ap" in md  # shown, and labelled as such
+    assert "79.00" in md
+
+
+def test_pair_classification_without_a_cosine_score_is_a_clear_error(tmp_path):
+    cache = ResultCache(tmp_path)
+    _save_scores(cache, _meta("moee/m", method="hs"), "bible_pair_classification", {"main_score": 0.8})
+    with pytest.raises(ValueError, match="similarity_ap"):
+        load_results(tmp_path)

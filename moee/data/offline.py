@@ -90,7 +90,7 @@ OFFLINE_TASKS: dict[str, OfflineTask] = {
             "PairClassification",
             "Is a World English Bible verse a rendering of this King James verse (1) or of another verse "
             "of the same chapter (0)?",
-            "max_ap",
+            "similarity_ap",
             ("kjv", "web"),
             {"test": 1000},
         ),

@@ -10,9 +10,12 @@ configuration gets its own ``mteb.ResultCache`` folder:
 (``name`` = the model, ``revision`` = a hash of its weights, ``experiment_kwargs`` = the
 embedding configuration; mteb's ``ModelMeta`` equality, hashing and cache paths use all three.)
 
-Similarity is plain cosine for every method: MoEE(sum) is emitted as one vector whose cosine
-*is* ``(cos_h + alpha cos_r) / (1 + alpha)`` (see ``moee.embed.methods``), so classifiers,
-k-means and the retrieval search see the same geometry the STS score does.
+Similarity is plain cosine for every method, and the encoders declare it
+(``similarity_fn_name="cosine"``): MoEE(sum) is emitted as one vector whose cosine *is*
+``(cos_h + alpha cos_r) / (1 + alpha)`` (see ``moee.embed.methods``), so classifiers, k-means and
+the retrieval search see the same geometry the STS score does, and the pair tasks are scored by
+the AP of that declared similarity (``similarity_ap``), not by mteb's ``max_ap`` over four
+similarity functions (``moee.evaluation.tables``).
 
 One forward pass yields both HS and RW. ``TraceCache`` keeps the pooled HS/RW of every text
 seen under one (pooling, prompt, score) setting, so the four methods of a prompt share one

@@ -6,6 +6,13 @@ PairClassification, Reranking, STS and Summarization (those present). Retrieval 
 of the paper's average and is reported in its own column. For the paper's three models the
 published numbers are printed beside ours.
 
+Pair classification is scored by each model's own similarity: mteb records the average
+precision of the similarity the encoder declares (``similarity_ap``; cosine for every encoder
+here, which for MoEE(sum) is the paper's similarity sum, see ``moee.embed.methods``). mteb's
+``max_ap``, the best of cosine / Manhattan / Euclidean / dot chosen on the test labels, is what
+its main score of a pair task may be; it is read only to be shown beside the AP, labelled, and
+never enters an average.
+
 Everything here reads the cache; nothing is recomputed, so tables can be rebuilt at any time
 (``moee evaluate --tables-only``).
 """
@@ -15,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,13 @@ FAMILY_ABBREV: dict[str, str] = {
     "Summarization": "Summ",
     "Retrieval": "Retr",
 }
+
+#: Score read for a task of each family, where it is not the task's mteb main score
+#: (first key present wins; see the module docstring).
+FAMILY_SCORE_KEYS: dict[str, tuple[str, ...]] = {"PairClassification": ("similarity_ap", "cosine_ap")}
+
+#: Extra scores shown beside a family's score (labelled, never averaged).
+FAMILY_SIDE_SCORES: dict[str, tuple[str, ...]] = {"PairClassification": ("max_ap",)}
 
 METHOD_LABELS: dict[str, str] = {"hs": "HS", "rw": "RW", "moee_concat": "MoEE concat", "moee_sum": "MoEE sum"}
 
@@ -87,10 +101,15 @@ class System:
 
 @dataclass
 class ResultSet:
-    """Main scores (percent) per system and task, plus each task's family."""
+    """Scores (percent) per system and task, plus each task's family.
+
+    ``side`` holds the labelled extra scores of ``FAMILY_SIDE_SCORES`` (system -> task -> name ->
+    percent), shown beside the tables' scores and never averaged.
+    """
 
     scores: dict[System, dict[str, float]] = field(default_factory=dict)
     families: dict[str, str] = field(default_factory=dict)
+    side: dict[System, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def add(self, system: System, task: str, score: float, family: str) -> None:
         """Record a main score; NaN (e.g. a correlation of constant similarities) is kept as undefined."""
@@ -127,11 +146,30 @@ def lookup_family(task_name: str) -> str:
         return "Other"
 
 
+def _score_getter(family: str, path: Path) -> Callable[[Mapping[str, Any]], float]:
+    """How to read a task's score from one split/subset's scores (see ``FAMILY_SCORE_KEYS``)."""
+    keys = FAMILY_SCORE_KEYS.get(family)
+    if keys is None:
+        return lambda scores: scores["main_score"]
+
+    def getter(scores: Mapping[str, Any]) -> float:
+        for key in keys:
+            if key in scores:
+                return scores[key]
+        raise ValueError(
+            f"{path}: a {family} result needs one of {', '.join(keys)} (the AP of the model's own "
+            f"similarity); it has only {', '.join(sorted(scores))}"
+        )
+
+    return getter
+
+
 def load_results(cache_dir: str | Path, tasks: Iterable[str] | None = None) -> ResultSet:
     """Read every result of an ``mteb.ResultCache`` folder (including experiment folders).
 
-    ``tasks`` restricts to those task names. Main scores are averaged over splits and subsets
-    (as ``TaskResult.get_score`` does) and reported in percent.
+    ``tasks`` restricts to those task names. Scores (the main score, or the family's score of
+    ``FAMILY_SCORE_KEYS``) are averaged over splits and subsets (as ``TaskResult.get_score``
+    does) and reported in percent.
     """
     from mteb import ResultCache
     from mteb.results import TaskResult
@@ -153,7 +191,14 @@ def load_results(cache_dir: str | Path, tasks: Iterable[str] | None = None) -> R
             continue
         config = tuple(sorted((meta.get("experiment_kwargs") or {}).items()))
         system = System(meta["name"], str(meta["revision"]), config)
-        results.add(system, task.task_name, 100.0 * task.get_score(), lookup_family(task.task_name))
+        family = lookup_family(task.task_name)
+        results.add(
+            system, task.task_name, 100.0 * task.get_score(getter=_score_getter(family, path)), family
+        )
+        for key in FAMILY_SIDE_SCORES.get(family, ()):
+            if all(key in s for split in task.scores.values() for s in split):
+                value = 100.0 * task.get_score(getter=lambda scores, key=key: scores[key])
+                results.side.setdefault(system, {}).setdefault(task.task_name, {})[key] = value
     return results
 
 
@@ -187,8 +232,18 @@ def _paper_row(system: System) -> dict[str, Any] | None:
     return paper_scores(key, s["prompt"], s["method"])
 
 
+def _side_columns(side: Mapping[str, Mapping[str, float]], tasks: Sequence[str]) -> dict[str, Any]:
+    """``{score name: {task: percent}}`` of the side scores one system has (e.g. ``max_ap``)."""
+    out: dict[str, dict[str, float]] = {}
+    for task in tasks:
+        for key, value in side.get(task, {}).items():
+            out.setdefault(key, {})[task] = value
+    return out
+
+
 def build_tables(results: ResultSet) -> dict[str, Any]:
-    """The JSON-able table document: per system its task scores, family means, Avg, paper row."""
+    """The JSON-able table document: per system its task scores, family means, Avg, paper row,
+    and, under their own names (e.g. ``max_ap``), the labelled side scores it has."""
     systems = results.systems()
     tasks = results.tasks()
     present = [f for f in (*FAMILIES, "Retrieval") if any(results.families[t] == f for t in tasks)]
@@ -212,6 +267,7 @@ def build_tables(results: ResultSet) -> dict[str, Any]:
                     if (v := results.scores[system].get(t)) is not None
                 },
                 "families": agg["families"],
+                **_side_columns(results.side.get(system, {}), tasks),
                 "avg": agg["avg"],
                 "retrieval": agg["retrieval"],
                 "complete": all(t in results.scores[system] for t in tasks),
@@ -256,10 +312,21 @@ def family_markdown(doc: Mapping[str, Any]) -> str:
         f"Avg = mean of the family scores ({', '.join(FAMILY_ABBREV[f] for f in doc['avg_families'])}); "
         "Retrieval is reported separately, as in the paper. Scores are mteb main scores x 100.",
     ]
+    if "PairClassification" in doc["families"]:
+        notes.append(
+            "PairCLF = average precision of each model's own similarity (cosine; for MoEE sum the "
+            "similarity sum). mteb's max_ap (the best of cosine, Manhattan, Euclidean and dot, picked on "
+            "the test labels) is listed separately in the per-task table and is not averaged."
+        )
     if any(r["paper"] for r in doc["systems"]):
         notes.append(
             "Numbers in parentheses: the paper's published values (arXiv 2410.10814 v1, Tables 3-4)."
         )
+        if "PairClassification" in doc["families"]:
+            notes.append(
+                "The paper's PairCLF values are mteb main scores, which for pair tasks are max_ap in the "
+                "mteb 1.x releases since August 2024: compare them with the max_ap rows as well."
+            )
     if any(v is None for r in doc["systems"] for v in r["tasks"].values()):
         notes.append("–: score undefined (e.g. constant similarities); left out of the averages.")
     if not all(r["complete"] for r in doc["systems"]):
@@ -279,6 +346,11 @@ def task_markdown(doc: Mapping[str, Any], *, short_labels: Sequence[str] | None 
             paper = row["paper"]["tasks"].get(task["name"]) if row["paper"] else None
             cells.append(_cell(row["tasks"].get(task["name"]), paper))
         lines.append("| " + " | ".join(cells) + " |")
+        for key in FAMILY_SIDE_SCORES.get(task["family"], ()):
+            if any(task["name"] in row.get(key, {}) for row in systems):
+                label = f"{task['name']} ({key}, not averaged)"
+                side = [_fmt(row.get(key, {}).get(task["name"])) for row in systems]
+                lines.append("| " + " | ".join([task["family"], label, *side]) + " |")
     legend = [""] + [f"- {label}: {r['model']} {r['label']}" for label, r in zip(labels, systems)]
     return "\n".join(lines + (legend if short_labels else [])) + "\n"
 

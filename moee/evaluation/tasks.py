@@ -29,7 +29,9 @@ its own task name and dataset revision so its results never mix with the full ta
 Evaluation protocol, chosen to mirror the paper's mteb tasks: classification is logistic
 regression on 16 training examples per label, 10 repetitions (as EmotionClassification);
 clustering is mini-batch k-means with k = number of labels on 10 bootstrap samples of all
-texts (v-measure); pair classification reports max AP; retrieval nDCG@10.
+texts (v-measure); pair classification reports the average precision of the model's own
+similarity (``similarity_ap``: cosine for every encoder here, not mteb's ``max_ap``, the best of
+four similarity functions picked on the test labels); retrieval nDCG@10.
 """
 
 from __future__ import annotations
@@ -295,7 +297,7 @@ class OfflineClustering(_OfflineData, AbsTaskClustering):
 
 
 class OfflinePairClassification(_OfflineData, AbsTaskPairClassification):
-    """Binary pairs (1 = paraphrase); the best threshold's average precision."""
+    """Binary pairs (1 = paraphrase); average precision of the model's declared similarity."""
 
     def _build(self, data: dict[str, Any]) -> DatasetDict:
         rows = data["test"]
