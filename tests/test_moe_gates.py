@@ -452,3 +452,32 @@ def test_loss_free_update_rule_and_manual_mode():
     assert gate.pending_load.sum().item() == 0  # eval forwards never touch the bias
     with pytest.raises(ValueError, match="score_func"):
         LossFreeBalancedGate(4, 4, 1, score_func="relu")
+
+
+# ---------------------------------------------------------------- initialisation without noise
+
+
+def test_noise_free_gate_starts_random_not_collapsed():
+    """Zero init relies on the noise to break ties; without noise every token would pick the same
+    k experts (topk's tie order) and the router would stay collapsed."""
+    torch.manual_seed(0)
+    gate = NoisyTopKGate(16, 8, 2, noisy=False).train()
+    assert torch.count_nonzero(gate.w_gate.weight) == gate.w_gate.weight.numel()
+    assert 0.005 < gate.w_gate.weight.std().item() < 0.05
+    x = torch.randn(64, 16)
+    chosen = {tuple(sorted(row)) for row in gate(x).indices.tolist()}
+    assert len(chosen) > 5
+    assert torch.count_nonzero(gate(x).aux["load"]) == 8  # every expert gets some tokens
+    # with noise, the zero init of the paper is kept
+    assert torch.count_nonzero(NoisyTopKGate(16, 8, 2).w_gate.weight) == 0
+
+
+def test_noise_free_hierarchical_gate_starts_random_not_collapsed():
+    torch.manual_seed(0)
+    gate = HierarchicalGate(16, 4, 4, 1, 1, noisy=False)
+    assert torch.count_nonzero(gate.w_gate.weight) == gate.w_gate.weight.numel()
+    assert torch.count_nonzero(gate.w_gate_secondary) == gate.w_gate_secondary.numel()
+    out = gate(torch.randn(64, 16))
+    assert torch.unique(out.indices).numel() > 5
+    noisy = HierarchicalGate(16, 4, 4, 1, 1)
+    assert torch.count_nonzero(noisy.w_gate.weight) == 0 and torch.count_nonzero(noisy.w_gate_secondary) == 0

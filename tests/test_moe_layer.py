@@ -142,3 +142,39 @@ def test_moe_layer_end_to_end_with_noisy_gate():
 def test_moe_layer_validates_k():
     with pytest.raises(ValueError, match="k must be"):
         MoELayer(8, 4, n_experts=4, k=5)
+
+
+def test_dropped_tokens_counts_switch_capacity_overflow():
+    """32 tokens, 4 experts, capacity factor 0.5 -> capacity int(32 * 0.5 / 4) = 4 slots per expert.
+    Choices 20/6/4/2 keep 4 + 4 + 4 + 2 = 14 tokens and drop 18."""
+    from moee.moe.switch import SwitchRouter
+
+    router = SwitchRouter(4, 4, capacity_factor=0.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4) * 5.0)
+    choice = torch.tensor([0] * 20 + [1] * 6 + [2] * 4 + [3] * 2)
+    x = torch.nn.functional.one_hot(choice[torch.randperm(32)], 4).float()
+    layer = MoELayer(4, 8, n_experts=4, k=1, gate=router)
+    y, aux = layer(x)
+    assert aux["dropped_tokens"].item() == 18
+    assert aux["load"].tolist() == [4.0, 4.0, 4.0, 2.0]  # the experts' real work after capacity
+    assert aux["load_estimate"].tolist() == [20.0, 6.0, 4.0, 2.0]  # the choices, before capacity
+    assert aux["tokens"].item() == 32
+    # padding is not counted: mask out 5 of the overflowing expert-0 tokens
+    routing = router(x)
+    overflow = (~routing.mask[:, 0]).nonzero().flatten()[:5]
+    token_mask = torch.ones(32, dtype=torch.bool)
+    token_mask[overflow] = False
+    _, aux_masked = layer(x, token_mask=token_mask)
+    assert aux_masked["dropped_tokens"].item() == 13 and aux_masked["tokens"].item() == 27
+
+
+def test_routing_stats_dropped_tokens_are_rows_without_a_real_slot():
+    indices = torch.tensor([[0, 1], [2, 0], [1, 3], [3, 2]])
+    probs = torch.zeros(4, 4).scatter(1, indices, 0.5)
+    slot_mask = torch.tensor([[True, True], [False, False], [True, False], [False, False]])
+    stats = routing_stats(probs, indices, 4, slot_mask=slot_mask)
+    assert stats["dropped_tokens"].item() == 2
+    assert stats["load"].tolist() == [1.0, 2.0, 0.0, 0.0]
+    stats = routing_stats(probs, indices, 4, token_mask=torch.tensor([1, 1, 1, 0]), slot_mask=slot_mask)
+    assert stats["dropped_tokens"].item() == 1

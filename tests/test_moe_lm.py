@@ -186,3 +186,19 @@ def test_bundled_default_model_loads_offline():
     routers = find_routers(model)
     assert [r.layer_index for r in routers] == cfg.moe_layer_indices
     assert all(r.n_experts == cfg.num_experts and r.logits_index == 0 for r in routers)
+
+
+def test_noise_free_router_is_randomly_initialised():
+    """router_noisy=False has no noise to break the ties of a zero-initialised router."""
+    torch.manual_seed(3)
+    model = MoEEForCausalLM(tiny_config(router_noisy=False)).train()
+    router = model.model.layers[1].mlp.gate
+    assert router.gate.w_noise is None
+    weight = router.gate.w_gate.weight
+    assert torch.count_nonzero(weight) == weight.numel()
+    assert weight.std().item() == pytest.approx(model.config.initializer_range, rel=0.2)
+    out = model(input_ids=torch.randint(2, 64, (4, 16)), labels=torch.randint(2, 64, (4, 16)))
+    load = out.moe_aux[0]["load"]
+    assert torch.count_nonzero(load) >= 6  # tokens spread over the experts at step 0
+    noisy = MoEEForCausalLM(tiny_config())
+    assert torch.count_nonzero(noisy.model.layers[1].mlp.gate.gate.w_gate.weight) == 0

@@ -100,6 +100,15 @@ def _normal_linear(d_in: int, d_out: int, init_std: float) -> nn.Linear:
     return layer
 
 
+def _gate_linear(d_in: int, d_out: int, noisy: bool, init_std: float) -> nn.Linear:
+    """Router projection: zero with exploration noise (Shazeer et al. 2017, Appendix A), random without.
+
+    The paper's zero init goes together with its noise; a noise-free gate started at zero would
+    send every token to the same k experts (topk's tie order) and never see another choice.
+    """
+    return _zero_linear(d_in, d_out) if noisy else _normal_linear(d_in, d_out, init_std)
+
+
 def _pack_selection(selected: Tensor, gates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Turn a variable-size selection ``selected [N, E]`` (bool) into padded ``[N, w]`` slots.
 
@@ -207,8 +216,10 @@ class NoisyTopKGate(nn.Module):
 
     ``H(x) = x W_g + StandardNormal() * Softplus(x W_noise)`` in training mode (``noisy=True``);
     in eval mode, or with ``noisy=False``, ``H(x) = x W_g``. ``G(x) = Softmax(KeepTopK(H(x), k))``.
-    ``W_g`` and ``W_noise`` are zero-initialised, so at step 0 the clean logits are 0, the noise std
-    is ``ln 2`` for every expert and the selection is uniform at random.
+    With noise, ``W_g`` and ``W_noise`` are zero-initialised (the paper's choice), so at step 0 the
+    clean logits are 0, the noise std is ``ln 2`` for every expert and the selection is uniform at
+    random. Without noise nothing would break the ties of a zero ``W_g``, so it is drawn from
+    ``N(0, init_std^2)`` instead.
 
     ``aux``: ``importance = sum_x G(x)``; ``load = sum_x P(x, i)`` (smooth estimator) when noise is
     on, else the selection counts; ``importance_loss = w_importance * CV^2(importance)``,
@@ -223,6 +234,7 @@ class NoisyTopKGate(nn.Module):
         noisy: bool = True,
         w_importance: float = 0.0,
         w_load: float = 0.0,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
         _check_positive_int(d_model, "d_model")
@@ -233,7 +245,7 @@ class NoisyTopKGate(nn.Module):
         self.d_model, self.n_experts, self.k = d_model, n_experts, k
         self.noisy = bool(noisy)
         self.w_importance, self.w_load = float(w_importance), float(w_load)
-        self.w_gate = _zero_linear(d_model, n_experts)
+        self.w_gate = _gate_linear(d_model, n_experts, self.noisy, init_std)
         self.w_noise = _zero_linear(d_model, n_experts) if self.noisy else None
 
     def forward(self, x: Tensor) -> GateOutput:
@@ -271,7 +283,8 @@ class HierarchicalGate(nn.Module):
     ``Load_H(X)_{i,j} = Load_primary(X)_i * Load_i(X^(i))_j / |X^(i)|`` with
     ``X^(i) = {x : G_primary(x)_i > 0}``. When ``|X^(i)| = 0`` (no token chose group i) the term is
     defined as 0 instead of 0/0. ``aux["loss"] = w_importance * CV^2(Importance_H) +
-    w_load * CV^2(Load_H)``.
+    w_load * CV^2(Load_H)``. Initialisation as in :class:`NoisyTopKGate`: zero with noise,
+    ``N(0, init_std^2)`` without.
 
     ``logits`` are ``log_softmax(primary)_i + log_softmax(secondary_i)_j``, so that their softmax
     over all ``E`` experts is the dense (pre-top-k) product distribution. ``aux`` also holds
@@ -288,6 +301,7 @@ class HierarchicalGate(nn.Module):
         noisy: bool = True,
         w_importance: float = 0.0,
         w_load: float = 0.0,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
         _check_positive_int(d_model, "d_model")
@@ -303,9 +317,10 @@ class HierarchicalGate(nn.Module):
         self.k = k_primary * k_secondary
         self.noisy = bool(noisy)
         self.w_importance, self.w_load = float(w_importance), float(w_load)
-        self.w_gate = _zero_linear(d_model, n_groups)
+        self.w_gate = _gate_linear(d_model, n_groups, self.noisy, init_std)
         self.w_noise = _zero_linear(d_model, n_groups) if self.noisy else None
-        self.w_gate_secondary = nn.Parameter(torch.zeros(n_groups, d_model, experts_per_group))
+        secondary = torch.zeros(n_groups, d_model, experts_per_group)
+        self.w_gate_secondary = nn.Parameter(secondary if self.noisy else secondary.normal_(std=init_std))
         self.w_noise_secondary = (
             nn.Parameter(torch.zeros(n_groups, d_model, experts_per_group)) if self.noisy else None
         )

@@ -231,8 +231,11 @@ def routing_stats(
     """Balance statistics of one routing decision (detached).
 
     importance = sum of gate values per expert (Shazeer's Importance(X)); load = number of
-    top-k selections per expert (the hard count that decides memory and straggler time);
-    their CVs and max(load)/mean(load) are what the seeds' Table 6 reports.
+    real selections per expert (the hard count that decides memory and straggler time; slots
+    with ``slot_mask == False`` are not work); their CVs and max(load)/mean(load) are the balance
+    columns of Shazeer et al. (2017), Table 6. ``dropped_tokens`` counts the tokens left with no
+    real slot at all, so only their residual passes (Switch capacity overflow, or a token no
+    expert chose); ``tokens`` is the number of rows counted (``token_mask`` drops padding).
     """
     with torch.no_grad():
         n_rows = indices.shape[0]
@@ -243,12 +246,13 @@ def routing_stats(
             probs, indices, slot_mask = probs[keep], indices[keep], slot_mask[keep]
             n_rows = int(keep.sum())
         importance = probs.float().sum(0)
-        load = torch.bincount(indices[slot_mask.bool()], minlength=n_experts).float()
+        slot_mask = slot_mask.bool()
+        load = torch.bincount(indices[slot_mask], minlength=n_experts).float()
         return {
             "importance": importance,
             "load": load,
             **balance_stats(importance, load),
-            "dropped_tokens": torch.zeros((), dtype=torch.float32),
+            "dropped_tokens": (~slot_mask.any(1)).sum().float(),
             "tokens": torch.tensor(float(n_rows)),
         }
 

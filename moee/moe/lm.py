@@ -276,8 +276,10 @@ class MoEEPreTrainedModel(PreTrainedModel):
         if getattr(module, "_moee_router_part", False):
             # transformers applies this to leaves first, so router parts are matched by a tag.
             for p in module.parameters(recurse=False):
-                if self.config.router_type == "noisy_top_k":
-                    init.zeros_(p)  # zero-initialised gate (seeds §3.5): uniform start, noise std ln 2
+                if self.config.router_type == "noisy_top_k" and self.config.router_noisy:
+                    # zero init with noise (Shazeer et al. 2017, Appendix A): uniform start, noise
+                    # std ln 2; a noise-free router needs the random init to break the ties
+                    init.zeros_(p)
                 else:
                     init.normal_(p, mean=0.0, std=std)
         elif isinstance(module, Experts):
