@@ -14,14 +14,22 @@ Readers yield texts lazily, so a corpus of millions of rows never has to fit in 
 
 Embedding files are plain ``.npy`` (float32 ``[n, dim]``, loaded with ``allow_pickle=False``)
 plus ``<name>.npy.json`` describing how they were made: model, method, pooling, prompt,
-score, alpha, dtype, shape, library versions, command line and timestamp. ``EmbeddingWriter``
-appends rows as they are computed and writes the final ``.npy`` header on close, so output
-size is not bounded by memory either.
+score, alpha, the model's dtype (``model_dtype``) and the array's (``array_dtype``), shape,
+the SHA-256 of the array data (``data_sha256``), library versions, command line and timestamp.
+``EmbeddingWriter`` appends rows as they are computed and writes the final ``.npy`` header on
+close, so output size is not bounded by memory either.
+
+The pair is committed together (:func:`commit_embeddings`): the sidecar is written under a
+temporary name, the old sidecar removed, then the array and the sidecar renamed into place. A
+crash at any point leaves either the old pair, or an array without a sidecar (an error on read),
+never new rows described by old settings; ``read_embeddings`` checks the content hash, so a
+corrupted or swapped array is an error too.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import shlex
@@ -38,7 +46,8 @@ TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 DEFAULT_FIELD = "text"
-SIDECAR_FORMAT = "moee-embeddings/1"
+SIDECAR_FORMAT = "moee-embeddings/2"
+_HASH_BLOCK = 1 << 24  # bytes read at a time when hashing a file
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,12 +208,60 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def _write_json_tmp(path: Path, data: dict[str, Any]) -> Path:
+    """``data`` as JSON in a temporary file beside ``path``, flushed to disk; returns the temp path."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 def write_json_atomic(path: str | Path, data: dict[str, Any]) -> Path:
     """Write JSON via a temporary file and rename, so readers never see half a file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    os.replace(_write_json_tmp(path, data), path)
+    return path
+
+
+def file_sha256(path: str | Path, *, offset: int = 0) -> str:
+    """SHA-256 of ``path``'s bytes from ``offset`` on, read in blocks (memory stays bounded)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def npy_data_offset(path: str | Path) -> int:
+    """Byte offset where a .npy file's array data starts (after its header)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            np.lib.format.read_array_header_1_0(f)
+        else:
+            np.lib.format.read_array_header_2_0(f)
+        return f.tell()
+
+
+def commit_embeddings(partial: str | Path, path: str | Path, metadata: dict[str, Any]) -> Path:
+    """Move a finished ``partial`` .npy to ``path`` together with its sidecar ``metadata``.
+
+    Order: sidecar to a temporary file, old sidecar removed, array renamed, sidecar renamed. A crash
+    in between leaves an array without a sidecar (refused on read), never a stale pairing.
+    """
+    path = Path(path)
+    sidecar = sidecar_path(path)
+    tmp = _write_json_tmp(sidecar, metadata)
+    try:
+        sidecar.unlink(missing_ok=True)
+        os.replace(partial, path)
+        os.replace(tmp, sidecar)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -228,9 +285,10 @@ def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
 class EmbeddingWriter:
     """Append float32 rows to ``path`` (.npy) as they are computed; ``close`` finalises.
 
-    Rows go to ``<path>.partial`` and the file is renamed into place (then the sidecar is
-    written) only on a successful ``close``: an existing ``path`` with its sidecar is always
-    complete, which is what resuming a crashed sharded run relies on.
+    Rows go to ``<path>.partial`` and the file is committed with its sidecar (see
+    :func:`commit_embeddings`) only on a successful ``close``: an existing ``path`` with its
+    sidecar is always complete, which is what resuming a crashed sharded run relies on. The data
+    is hashed as it is written, so the sidecar's ``data_sha256`` costs no second read.
     """
 
     def __init__(self, path: str | Path, *, dim: int | None = None) -> None:
@@ -241,6 +299,7 @@ class EmbeddingWriter:
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.dim = dim
         self.rows = 0
+        self._digest = hashlib.sha256()
         self._file = open(self.partial, "wb")
         self._file.write(_npy_header((0, dim or 0), np.dtype(np.float32)))
 
@@ -252,17 +311,20 @@ class EmbeddingWriter:
             self.dim = rows.shape[1]
         elif rows.shape[1] != self.dim:
             raise ValueError(f"embedding rows have dimension {rows.shape[1]}, earlier rows had {self.dim}")
-        self._file.write(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
+        data = np.ascontiguousarray(rows, dtype="<f4").tobytes()
+        self._file.write(data)
+        self._digest.update(data)
         self.rows += rows.shape[0]
 
     def close(self, metadata: dict[str, Any] | None = None) -> Path:
         """Fix the header, move the file into place and write the sidecar; returns the path."""
         self._file.seek(0)
         self._file.write(_npy_header((self.rows, self.dim or 0), np.dtype(np.float32)))
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self.partial, self.path)
-        write_json_atomic(sidecar_path(self.path), _sidecar(metadata, (self.rows, self.dim or 0)))
-        return self.path
+        meta = sidecar_metadata(metadata, (self.rows, self.dim or 0), self._digest.hexdigest())
+        return commit_embeddings(self.partial, self.path, meta)
 
     def abort(self) -> None:
         """Discard a partial file (after an error)."""
@@ -280,10 +342,18 @@ class EmbeddingWriter:
             self.close()
 
 
-def _sidecar(metadata: dict[str, Any] | None, shape: tuple[int, int]) -> dict[str, Any]:
+def sidecar_metadata(metadata: dict[str, Any] | None, shape: tuple[int, int], sha256: str) -> dict[str, Any]:
+    """The sidecar of a float32 array of ``shape`` whose data hashes to ``sha256``.
+
+    ``array_dtype`` is the file's dtype; the model's weights dtype is a separate setting
+    (``model_dtype``), so one never overwrites the other.
+    """
     meta = {"format": SIDECAR_FORMAT, **(metadata or {})}
-    meta["dtype"] = "float32"
+    if "dtype" in meta:
+        raise ValueError("sidecar metadata: use model_dtype for the model's dtype (array_dtype is set here)")
+    meta["array_dtype"] = "float32"
     meta["shape"] = list(shape)
+    meta["data_sha256"] = sha256
     meta.setdefault("versions", package_versions())
     return meta
 
@@ -309,18 +379,52 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     sidecar = sidecar_path(path)
     if not sidecar.is_file():
         raise FileNotFoundError(f"sidecar {sidecar} is missing; embeddings files are written by `moee embed`")
-    meta = json.loads(sidecar.read_text())
-    if meta.get("format") != SIDECAR_FORMAT:
-        raise ValueError(f"{sidecar} is not a moee embeddings sidecar (format {meta.get('format')!r})")
+    try:
+        meta = json.loads(sidecar.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{sidecar} is not valid JSON ({exc}); re-run `moee embed`") from None
+    if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        hint = (
+            "; it was written by an older moee, re-run `moee embed`" if found == "moee-embeddings/1" else ""
+        )
+        raise ValueError(f"{sidecar} is not a moee embeddings sidecar (format {found!r}){hint}")
     return meta
 
 
-def read_embeddings(path: str | Path, *, mmap: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
-    """Load ``(embeddings, metadata)``; never unpickles, checks the sidecar's shape."""
+def check_embeddings_file(path: str | Path, meta: dict[str, Any], *, content: bool = True) -> None:
+    """``ValueError`` naming ``path`` unless its size and (``content``) content hash match the
+    sidecar ``meta``."""
+    path = Path(path)
+    shape = [int(x) for x in meta.get("shape", [])]
+    if len(shape) != 2:
+        raise ValueError(f"sidecar of {path} has no valid shape: {meta.get('shape')!r}")
+    try:
+        offset = npy_data_offset(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable .npy file ({exc})") from None
+    expected_size = offset + shape[0] * shape[1] * 4
+    size = path.stat().st_size
+    if size != expected_size:
+        raise ValueError(
+            f"{path} does not match its sidecar: {size} bytes, expected {expected_size} for shape {shape} "
+            "(truncated or overwritten)"
+        )
+    if content and file_sha256(path, offset=offset) != meta.get("data_sha256"):
+        raise ValueError(f"{path} does not match its sidecar (content hash differs): the file is corrupted")
+
+
+def read_embeddings(
+    path: str | Path, *, mmap: bool = False, verify: bool = True
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Load ``(embeddings, metadata)``; never unpickles, checks the sidecar's shape and (``verify``,
+    one extra read of the file) size and content hash."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"embeddings file not found: {path}")
     meta = read_metadata(path)
+    if verify:
+        check_embeddings_file(path, meta)
     arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     if list(arr.shape) != list(meta.get("shape", [])):
         raise ValueError(f"{path} has shape {list(arr.shape)} but its sidecar says {meta.get('shape')}")
@@ -341,6 +445,11 @@ def npy_shape(path: str | Path) -> tuple[int, ...]:
 __all__ = [
     "EmbeddingWriter",
     "batched",
+    "check_embeddings_file",
+    "commit_embeddings",
+    "file_sha256",
+    "npy_data_offset",
+    "sidecar_metadata",
     "input_format",
     "npy_shape",
     "package_versions",

@@ -10,11 +10,15 @@ the model forward) and keeps only its rows. Rank and world come from ``--shard-r
 ``accelerate launch``, ``torchrun`` and most cluster launchers set; no process group is
 needed, processes coordinate through files only:
 
-- ``DIR/manifest.json``: input (path, size, mtime), field, world size and every setting that
-  changes the numbers. A rerun with different ones is refused instead of mixing shards.
+- ``DIR/manifest.json``: input (path, size, SHA-256 of the content), field, world size and
+  every setting that changes the numbers. A rerun with different ones is refused instead of
+  mixing shards (an input with rows reordered or edited in place is a different input). The
+  merge adds ``shards``: each shard's content hash, as merged.
 - ``DIR/shard-RRRRR-of-WWWWW.npy`` (+ ``.npy.json`` with ``rows = {start, step, count}``, i.e.
-  input rows ``start, start+step, ...``): written to ``.partial`` and renamed when complete,
-  so after a crash a rerun of the same command skips every complete shard.
+  input rows ``start, start+step, ...``, and ``data_sha256``): written to ``.partial`` and
+  committed with its sidecar when complete, so after a crash a rerun of the same command skips
+  every complete shard. A shard whose size or content hash does not match its sidecar (flipped
+  bytes, truncation) is not complete: the rerun recomputes it and the merge refuses it by name.
 - ``DIR/embeddings.npy`` (+ sidecar): the merge, rows in input order; rank 0 writes it once
   every shard is complete (or run ``moee embed --merge DIR --out OUT.npy``).
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +39,15 @@ import numpy as np
 from moee.io import (
     EmbeddingWriter,
     batched,
+    check_embeddings_file,
+    commit_embeddings,
+    file_sha256,
+    npy_data_offset,
     npy_shape,
     read_metadata,
     read_texts,
     run_metadata,
+    sidecar_metadata,
     sidecar_path,
     write_json_atomic,
 )
@@ -45,7 +55,8 @@ from moee.io import (
 EncodeFn = Callable[[list[str]], np.ndarray]
 MANIFEST = "manifest.json"
 MERGED = "embeddings.npy"
-MANIFEST_FORMAT = "moee-shards/1"
+MANIFEST_FORMAT = "moee-shards/2"
+_MERGE_RECORD = "shards"  # manifest key the merge adds; not part of a run's identity
 
 
 @dataclass(frozen=True)
@@ -158,16 +169,21 @@ def embed_stream(
 # sharded runs
 # ----------------------------------------------------------------------------------------
 def input_fingerprint(path: str | Path) -> dict[str, Any]:
-    """Identify an input file cheaply (resolved path, size, modification time)."""
+    """Identify an input file by content (resolved path, size, SHA-256): reordered or edited rows
+    are a different input even with the same size and modification time. One extra read of the
+    input, cheap next to the model forward."""
     path = Path(path).resolve()
-    stat = path.stat()
-    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": str(path), "size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def _check_or_write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     path = out_dir / MANIFEST
     if path.is_file():
-        existing = json.loads(path.read_text())
+        try:
+            existing = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); delete {out_dir} and rerun") from None
+        existing = {k: v for k, v in existing.items() if k != _MERGE_RECORD}
         if existing != manifest:
             diff = sorted(k for k in set(existing) | set(manifest) if existing.get(k) != manifest.get(k))
             raise ValueError(
@@ -178,16 +194,30 @@ def _check_or_write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     write_json_atomic(path, manifest)  # every rank writes the same content; last rename wins
 
 
-def shard_is_complete(out_dir: str | Path, rank: int, world: int) -> bool:
-    """True when the shard's .npy and sidecar both exist and agree."""
+def shard_problem(out_dir: str | Path, rank: int, world: int, *, verify: bool = True) -> str | None:
+    """Why shard ``rank`` is not usable (``None`` when it is complete and intact).
+
+    Checks that the .npy and its sidecar exist and agree on the rows and the file size; with
+    ``verify`` also the content hash (one read of the shard), which catches flipped bytes.
+    """
     npy = Path(out_dir) / f"{shard_name(rank, world)}.npy"
-    if not (npy.is_file() and sidecar_path(npy).is_file()):
-        return False
+    if not npy.is_file():
+        return f"{npy} is missing"
+    if not sidecar_path(npy).is_file():
+        return f"{npy} has no sidecar (unfinished)"
     try:
         meta = read_metadata(npy)
-        return meta.get("complete") is True and npy_shape(npy)[0] == meta["rows"]["count"]
-    except (ValueError, KeyError, OSError):
-        return False
+        if meta.get("complete") is not True or npy_shape(npy)[0] != meta["rows"]["count"]:
+            return f"{npy} is incomplete: its sidecar does not describe its rows"
+        check_embeddings_file(npy, meta, content=verify)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def shard_is_complete(out_dir: str | Path, rank: int, world: int, *, verify: bool = False) -> bool:
+    """True when the shard's .npy and sidecar both exist and agree (``verify``: content hash too)."""
+    return shard_problem(out_dir, rank, world, verify=verify) is None
 
 
 def prepare_shard_dir(
@@ -213,7 +243,11 @@ def prepare_shard_dir(
         "settings": settings,
     }
     _check_or_write_manifest(out_dir, manifest)
-    return shard_is_complete(out_dir, info.rank, info.world)
+    problem = shard_problem(out_dir, info.rank, info.world, verify=True)
+    npy = out_dir / f"{info.name}.npy"
+    if problem is not None and npy.is_file() and sidecar_path(npy).is_file():
+        warnings.warn(f"recomputing {info.name}: {problem}", stacklevel=2)
+    return problem is None
 
 
 def embed_shard(
@@ -273,9 +307,14 @@ def merge_shards(
         raise FileNotFoundError(f"{manifest_path} not found: {out_dir} is not a sharded embedding directory")
     manifest = json.loads(manifest_path.read_text())
     world = manifest["world"]
-    incomplete = [r for r in range(world) if not shard_is_complete(out_dir, r, world)]
-    if incomplete:
-        raise ValueError(f"cannot merge {out_dir}: shards {incomplete} of {world} are missing or incomplete")
+    problems = {r: shard_problem(out_dir, r, world, verify=True) for r in range(world)}
+    problems = {r: p for r, p in problems.items() if p is not None}
+    if problems:
+        raise ValueError(
+            f"cannot merge {out_dir}: shards {sorted(problems)} of {world} are missing or incomplete ("
+            + "; ".join(problems.values())
+            + "); rerun the same command to recompute them"
+        )
     paths = [out_dir / f"{shard_name(r, world)}.npy" for r in range(world)]
     metas = [read_metadata(p) for p in paths]
     totals = {m["input_rows"] for m in metas}
@@ -303,8 +342,12 @@ def merge_shards(
             merged[r::world] = np.load(p, mmap_mode="r", allow_pickle=False)
     merged.flush()
     del merged
-    os.replace(partial, out_path)
-    keep = {k: v for k, v in metas[0].items() if k not in ("shard", "rows", "complete", "shape", "format")}
+    record = {p.name: m["data_sha256"] for p, m in zip(paths, metas)}
+    recorded = json.loads(manifest_path.read_text()).get(_MERGE_RECORD)
+    if recorded != record:  # one writer: the merge runs once every shard is complete
+        write_json_atomic(manifest_path, {**manifest, _MERGE_RECORD: record})
+    per_file = ("shard", "rows", "complete", "shape", "format", "array_dtype", "data_sha256")
+    keep = {k: v for k, v in metas[0].items() if k not in per_file}
     meta = {
         **keep,
         **run_metadata(),
@@ -314,10 +357,8 @@ def merge_shards(
             "directory": str(out_dir.resolve()),
             "shards": world,
             "shard_commands": metas[0]["command"],
+            "shard_sha256": record,
         },
-        "dtype": "float32",
-        "shape": [n, dim],
-        "format": metas[0]["format"],
     }
-    write_json_atomic(sidecar_path(out_path), meta)
-    return out_path
+    sha = file_sha256(partial, offset=npy_data_offset(partial))
+    return commit_embeddings(partial, out_path, sidecar_metadata(meta, (n, dim), sha))

@@ -58,7 +58,7 @@ def test_embed_txt_matches_python_api(tmp_path, corpus, model_dir, embedder):
     assert meta["model"] == model_dir and meta["method"] == "moee_sum" and meta["pooling"] == "last"
     assert meta["prompt"] == "prompteol" and meta["prompt_template"].startswith("This sentence :")
     assert meta["score"] == "softmax" and meta["alpha"] == 0.5 and meta["normalize"] is True
-    assert meta["dtype"] == "float32" and meta["shape"] == [len(TEXTS), 80]
+    assert meta["array_dtype"] == "float32" and meta["shape"] == [len(TEXTS), 80]
     assert {"torch", "transformers", "moee"} <= set(meta["versions"])
     assert meta["command"] and meta["timestamp"] and meta["batch_size"] == 2
 
@@ -227,3 +227,20 @@ def test_device_map_and_quantization_options(tmp_path, corpus, model_dir, embedd
     if importlib.util.find_spec("bitsandbytes") is None:
         assert main([*argv, "--load-in-4bit"]) == 2
         assert "--load-in-4bit needs bitsandbytes" in capsys.readouterr().err
+
+
+def test_search_reloads_the_model_in_the_recorded_dtype(tmp_path, corpus, model_dir, monkeypatch, capsys):
+    import moee.commands.embed as embed_command
+
+    out = tmp_path / "e.npy"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--dtype", "bfloat16"]) == 0
+    meta = read_embeddings(out)[1]
+    assert meta["model_dtype"] == "bfloat16" and meta["array_dtype"] == "float32"
+    seen = []
+    real = embed_command.load_embedder
+    monkeypatch.setattr(
+        embed_command, "load_embedder", lambda *a, **kw: seen.append(kw["dtype"]) or real(*a, **kw)
+    )
+    argv = ["search", "--embeddings", str(out), "--texts", str(corpus), "--query", TEXTS[0], "-k", "1"]
+    assert main(argv) == 0
+    assert seen == ["bfloat16"]

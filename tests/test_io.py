@@ -1,6 +1,7 @@
 """Streaming readers (.txt/.jsonl/.parquet) and embedding files with sidecars."""
 
 import json
+import os
 import shlex
 import sys
 
@@ -118,7 +119,7 @@ def test_write_and_read_embeddings(tmp_path):
     arr, got = read_embeddings(path)
     np.testing.assert_array_equal(arr, emb.astype(np.float32))
     assert arr.dtype == np.float32
-    assert got["shape"] == [5, 3] and got["dtype"] == "float32" and got["model"] == "m"
+    assert got["shape"] == [5, 3] and got["array_dtype"] == "float32" and got["model"] == "m"
     assert got["command"] == "moee embed 'a b.txt'"
     assert set(got["versions"]) >= {"torch", "transformers", "moee", "numpy"}
     assert got["timestamp"].endswith("+00:00")
@@ -161,8 +162,10 @@ def test_read_errors(tmp_path):
     path = write_embeddings(tmp_path / "e.npy", np.zeros((2, 2)), {})
     sidecar = sidecar_path(path)
     sidecar.write_text(json.dumps({**read_metadata(path), "shape": [3, 2]}))
-    with pytest.raises(ValueError, match="sidecar says"):
+    with pytest.raises(ValueError, match="does not match its sidecar: 144 bytes, expected 152"):
         read_embeddings(path)
+    with pytest.raises(ValueError, match="sidecar says"):
+        read_embeddings(path, verify=False)
     sidecar.write_text("{}")
     with pytest.raises(ValueError, match="not a moee embeddings sidecar"):
         read_metadata(path)
@@ -171,3 +174,47 @@ def test_read_errors(tmp_path):
 def test_run_metadata_defaults_to_argv():
     assert run_metadata()["command"] == shlex.join(sys.argv)
     assert "python" in run_metadata([])["versions"]
+
+
+def test_sidecar_records_a_content_hash_checked_on_read(tmp_path):
+    path = write_embeddings(tmp_path / "e.npy", np.arange(12, dtype=np.float32).reshape(4, 3), {"model": "m"})
+    meta = read_metadata(path)
+    assert len(meta["data_sha256"]) == 64
+    with open(path, "r+b") as f:  # flip one byte of the data, as a bad disk or a stray write would
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match=r"e.npy does not match its sidecar \(content hash"):
+        read_embeddings(path)
+    with pytest.raises(ValueError, match="content hash"):
+        read_embeddings(path, mmap=True)
+    assert read_embeddings(path, verify=False)[0].shape == (4, 3)
+
+
+def test_a_crash_between_the_two_renames_never_pairs_new_data_with_the_old_sidecar(tmp_path, monkeypatch):
+    import moee.io as io_module
+
+    path = write_embeddings(
+        tmp_path / "e.npy", np.zeros((2, 3), np.float32), {"model": "old", "method": "hs"}
+    )
+    real_replace = os.replace
+
+    def crash_on_sidecar(src, dst):
+        if str(dst).endswith(".npy.json"):
+            raise OSError("simulated crash")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(io_module.os, "replace", crash_on_sidecar)
+    with pytest.raises(OSError, match="simulated crash"):
+        write_embeddings(path, np.ones((2, 3), np.float32), {"model": "new", "method": "rw"})
+    monkeypatch.undo()
+    with pytest.raises((FileNotFoundError, ValueError), match="sidecar"):
+        read_embeddings(path)  # new rows under the old settings would be a silent wrong answer
+
+
+def test_model_dtype_and_array_dtype_are_separate_fields(tmp_path):
+    path = write_embeddings(tmp_path / "e.npy", np.zeros((2, 3)), {"model": "m", "model_dtype": "bfloat16"})
+    meta = read_metadata(path)
+    assert meta["model_dtype"] == "bfloat16" and meta["array_dtype"] == "float32"
+    assert "dtype" not in meta

@@ -229,3 +229,60 @@ def test_env_var_launch_resumes_after_a_crashed_rank(tmp_path, tiny):
     assert r0.returncode == 0, r0.stderr[-3000:]
     assert "already complete" in r0.stderr and "merged 2 shard(s)" in r0.stderr
     np.testing.assert_allclose(np.load(out_dir / "embeddings.npy"), reference, atol=1e-5)
+
+
+def _two_shards(tmp_path, corpus):
+    out_dir = tmp_path / "shards"
+    for rank in range(2):
+        shard.embed_shard(
+            FakeEncoder(), corpus, out_dir, shard.ShardInfo(rank, 2, rank), SETTINGS, chunk_size=4
+        )
+    return out_dir, out_dir / "shard-00001-of-00002.npy"
+
+
+def _flip_last_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupted_shard_is_named_at_merge_and_recomputed_on_resume(tmp_path, corpus, damage):
+    out_dir, bad = _two_shards(tmp_path, corpus)
+    if damage == "flip":
+        _flip_last_byte(bad)  # e.g. a NaN row: same size, same header
+    else:
+        bad.write_bytes(bad.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=r"shard-00001-of-00002\.npy .*(content hash|bytes, expected)"):
+        shard.merge_shards(out_dir)
+    assert not (out_dir / "embeddings.npy").exists()
+    again = FakeEncoder()
+    with pytest.warns(UserWarning, match="recomputing shard-00001-of-00002"):
+        assert shard.embed_shard(again, corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS) is not None
+    assert again.seen == 11  # the damaged shard is recomputed, not skipped
+    merged = shard.merge_shards(out_dir)
+    np.testing.assert_array_equal(read_embeddings(merged)[0], FakeEncoder()(_texts(corpus)))
+
+
+def test_the_manifest_records_each_shards_content_hash(tmp_path, corpus):
+    out_dir, _ = _two_shards(tmp_path, corpus)
+    shard.merge_shards(out_dir)
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    for rank in range(2):
+        name = f"shard-{rank:05d}-of-00002.npy"
+        assert manifest["shards"][name] == read_metadata(out_dir / name)["data_sha256"]
+    # a rerun of the same command is still the same run
+    assert shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS) is None
+
+
+def test_reordered_input_rows_are_a_different_run(tmp_path, corpus):
+    out_dir = tmp_path / "shards"
+    shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS)
+    stat = corpus.stat()
+    lines = corpus.read_text().splitlines(keepends=True)
+    corpus.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same size
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same modification time
+    with pytest.raises(ValueError, match=r"different run \(input differ\)"):
+        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS)

@@ -197,7 +197,7 @@ def embedding_settings(args: argparse.Namespace) -> dict[str, Any]:
         "score": args.score,
         "alpha": check_alpha(args.alpha),
         "normalize": args.normalize,
-        "dtype": args.dtype,
+        "model_dtype": args.dtype,  # the weights dtype; the array is always float32 (array_dtype)
         "load_in_4bit": args.load_in_4bit,
     }
 

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings: dict[str, Any] = {
         key: meta.get(key)
-        for key in ("model", "method", "pooling", "prompt", "score", "alpha", "normalize", "dtype")
+        for key in ("model", "method", "pooling", "prompt", "score", "alpha", "normalize", "model_dtype")
     }
     missing = [key for key in ("method", "pooling", "score", "alpha") if settings[key] is None]
     if missing:
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         settings["normalize"] = True
     args.model = args.model or _recorded_model(meta)
     args.load_in_4bit = args.load_in_4bit or bool(meta.get("load_in_4bit"))
-    embedder = load_from_args(args, dtype=args.dtype or settings["dtype"])
+    embedder = load_from_args(args, dtype=args.dtype or settings["model_dtype"])
     encode = make_encoder(embedder, settings, check_positive_int("--batch-size", args.batch_size))
     scores, ids = index.search(encode(queries), k)
 
