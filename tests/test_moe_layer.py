@@ -110,7 +110,7 @@ def test_moe_layer_end_to_end_with_noisy_gate():
     torch.manual_seed(5)
     layer = MoELayer(8, 6, n_experts=6, k=2, n_shared_experts=1, w_importance=0.1, w_load=0.1)
     assert isinstance(layer.gate, MoEERouter)
-    # zero-initialised gate (seeds §3.5)
+    # zero-initialised noisy gate (Shazeer et al. 2017, Appendix A)
     assert all(torch.count_nonzero(p) == 0 for p in layer.gate.parameters())
     x = torch.randn(3, 5, 8)
     layer.train()
@@ -135,8 +135,30 @@ def test_moe_layer_end_to_end_with_noisy_gate():
     logits, weights, indices, out = layer.gate(flat)
     assert torch.equal(logits, out.logits) and logits.shape == (15, 6)
     y_eval, _ = layer(x)
-    ref = _naive(flat, weights, indices, layer.experts) + layer.shared_experts(flat)
+    w_in, w_out = layer.shared_experts.ffn.w_in[0], layer.shared_experts.ffn.w_out[0]
+    shared = (torch.nn.functional.silu(flat @ w_in[:, :6]) * (flat @ w_in[:, 6:])) @ w_out  # SwiGLU
+    ref = _naive(flat, weights, indices, layer.experts) + shared
     torch.testing.assert_close(y_eval.reshape(-1, 8), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_shared_experts_equal_the_sum_of_separate_ffns(activation):
+    """n shared experts stored as one FFN of width n*h compute the sum of n independent FFNs."""
+    torch.manual_seed(6)
+    n, d, h = 3, 8, 4
+    shared = layer_mod.SharedExperts(n, d, h, activation)
+    x = torch.randn(5, d)
+    w_in, w_out = shared.ffn.w_in[0], shared.ffn.w_out[0]
+    total = torch.zeros(5, d)
+    for j in range(n):
+        rows = slice(j * h, (j + 1) * h)
+        if activation == "swiglu":  # gate half, then up half, each n*h wide
+            up = slice(n * h + j * h, n * h + (j + 1) * h)
+            hidden = torch.nn.functional.silu(x @ w_in[:, rows]) * (x @ w_in[:, up])
+        else:
+            hidden = torch.relu(x @ w_in[:, rows])
+        total = total + hidden @ w_out[rows]
+    torch.testing.assert_close(shared(x), total, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_layer_validates_k():

@@ -80,13 +80,31 @@ def test_output_router_logits_equal_hooked_router_outputs(tiny_model):
     assert len(hidden) == 3 + 1
 
 
+def _next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean of -log softmax(logits[b, t])[ids[b, t + 1]] over every position, by hand."""
+    terms = []
+    for bi in range(ids.shape[0]):
+        for t in range(ids.shape[1] - 1):
+            row = logits[bi, t].double()
+            terms.append(torch.logsumexp(row, 0) - row[ids[bi, t + 1]])
+    return torch.stack(terms).mean()
+
+
+def _cv2(v: torch.Tensor) -> torch.Tensor:
+    return ((v - v.mean()) ** 2).mean() / v.mean() ** 2
+
+
 def test_loss_is_lm_plus_aux_and_backprop_reaches_router():
     torch.manual_seed(1)
-    model = MoEEForCausalLM(tiny_config(router_w_importance=0.1, router_w_load=0.1)).train()
+    model = MoEEForCausalLM(tiny_config(router_w_importance=0.1, router_w_load=0.3)).train()
     ids = torch.randint(2, 64, (3, 9))
     out = model(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss)
-    assert out.aux_loss.item() >= 0 and len(out.moe_aux) == 2
+    assert out.lm_loss.item() == pytest.approx(_next_token_nll(out.logits, ids).item(), rel=1e-5)
+    assert len(out.moe_aux) == 2
+    # aux = sum over MoE layers of w_importance CV^2(Importance) + w_load CV^2(Load)
+    want = sum(0.1 * _cv2(a["importance"]) + 0.3 * _cv2(a["load_estimate"]) for a in out.moe_aux)
+    assert out.aux_loss.item() == pytest.approx(float(want), rel=1e-4) and out.aux_loss.item() > 0
+    assert out.loss.item() == pytest.approx(out.lm_loss.item() + float(want), rel=1e-5)
     out.loss.backward()
     assert model.model.layers[1].mlp.gate.gate.w_gate.weight.grad.abs().sum() > 0
 
@@ -140,12 +158,18 @@ def test_capture_registry_finds_every_moe_layer(tiny_model):
     assert all(r.n_experts == 8 for r in routers)
 
 
-def test_loss_free_router_variant_runs():
+def test_loss_free_router_variant_trains_its_bias_without_a_loss():
     torch.manual_seed(2)
-    model = MoEEForCausalLM(tiny_config(router_type="loss_free")).train()
+    model = MoEEForCausalLM(tiny_config(router_type="loss_free", router_bias_gamma=0.25)).train()
     ids = torch.randint(2, 64, (2, 6))
     out = model(input_ids=ids, labels=ids)
-    assert out.aux_loss.item() == 0.0 and torch.isfinite(out.loss)
+    assert out.aux_loss.item() == 0.0
+    assert out.loss.item() == pytest.approx(_next_token_nll(out.logits, ids).item(), rel=1e-5)
+    # one training forward moved every bias by gamma * sign(mean load - load), from 0
+    for aux, layer in zip(out.moe_aux, model.model.layers[1:]):
+        load = aux["load"]
+        assert load.sum().item() == 2 * 6 * 2  # tokens x k selections
+        torch.testing.assert_close(layer.mlp.gate.gate.bias, 0.25 * torch.sign(load.mean() - load))
 
 
 def test_capture_scores_each_router_variant_with_its_own_rule(tiny_model):
