@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("embed", "search", "evaluate", "report", "train", "simulate", "quickstart")
+COMMANDS = ("embed", "search", "evaluate", "report", "train", "simulate", "quickstart", "upcycle")
 
 
 def build_parser() -> argparse.ArgumentParser:

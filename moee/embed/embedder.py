@@ -190,6 +190,7 @@ class MoEEmbedder:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         import moee.moe.lm  # noqa: F401  (registers model_type "moee_lm" with the Auto classes)
+        import moee.moe.upcycled  # noqa: F401  (registers "moee_upcycled", see moee upcycle)
 
         if device is not None and "device_map" in hf_kwargs:
             raise ValueError("pass either device or device_map, not both")

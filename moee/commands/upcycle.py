@@ -1,0 +1,93 @@
+"""`moee upcycle`: build an MoE model from a dense Hugging Face checkpoint (docs/UPCYCLING.md).
+
+``--mode copy`` copies each FFN into every expert (sparse upcycling); ``--mode split`` partitions
+each FFN's neurons into equal-size experts by balanced k-means (MoEfication). The output directory
+holds safetensors weights, the config (``model_type: moee_upcycled``) and the source tokenizer;
+it loads with the transformers Auto classes once ``moee.moe.upcycled`` is imported, and with
+``moee.MoEEmbedder.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "upcycle",
+        help="dense checkpoint -> MoE model (experts copied from or split out of each FFN)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", help="dense model: a local directory or a Hugging Face name (safetensors)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--experts", type=int, required=True, help="routed experts per layer")
+    p.add_argument("--top-k", type=int, required=True, help="experts selected per token")
+    p.add_argument("--mode", choices=("split", "copy"), default="split", help="(default %(default)s)")
+    p.add_argument(
+        "--shared-neurons",
+        type=int,
+        default=0,
+        metavar="N",
+        help="split: keep N neurons always on as a shared expert (default %(default)s)",
+    )
+    p.add_argument(
+        "--shared-select",
+        choices=("norm", "central"),
+        default="norm",
+        help="split: which neurons are shared: largest weight norm, or most central direction",
+    )
+    p.add_argument("--shared-copy", action="store_true", help="copy: add an always-on copy of the FFN")
+    p.add_argument(
+        "--router-init",
+        choices=("centroid", "random", "zero"),
+        default=None,
+        help="router start: cluster centroids (split only), random normal, or zero "
+        "(default: centroid for split, random for copy)",
+    )
+    p.add_argument(
+        "--router-std", type=float, default=0.02, help="std of a random router (default %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="k-means / router seed (default %(default)s)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="load and save in this dtype",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from moee.moe.upcycle import save_upcycled, upcycle
+
+    model = upcycle(
+        args.src,
+        n_experts=args.experts,
+        top_k=args.top_k,
+        mode=args.mode,
+        shared_neurons=args.shared_neurons,
+        shared_select=args.shared_select,
+        shared_copy=args.shared_copy,
+        router_init=args.router_init,
+        router_std=args.router_std,
+        seed=args.seed,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+    )
+    has_tokenizer = Path(args.src).is_dir() and any(
+        (Path(args.src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+    )
+    tokenizer_from = args.src if has_tokenizer or not Path(args.src).exists() else None
+    out = save_upcycled(model, args.out, tokenizer_from=tokenizer_from)
+    cfg = model.config
+    print(
+        f"wrote {out}: {cfg.text_config.model_type} -> {len(model.moe_ffns())} MoE layers x "
+        f"{cfg.num_experts} experts (top-{cfg.num_experts_per_tok}, {cfg.upcycle_mode}, "
+        f"expert width {cfg.expert_intermediate_size}, shared width {cfg.shared_intermediate_size}, "
+        f"router {cfg.router_init})"
+    )
+    return 0

@@ -1,0 +1,268 @@
+"""Upcycling: turn a dense Hugging Face checkpoint into a moee MoE model.
+
+``from moee.moe.upcycle import upcycle`` then ``upcycle(src, n_experts=8, top_k=2, mode="split")``.
+
+* ``mode="copy"`` — sparse upcycling (Komatsuzaki et al., ICLR 2023): every expert is a copy of the
+  layer's FFN; the router starts at random (or zero). Any routing reproduces the dense model.
+* ``mode="split"`` — MoEfication (Zhang et al., 2022) / LLaMA-MoE: the FFN's ``d_ff`` neurons are
+  partitioned into ``n_experts`` experts of exactly ``d_ff / n_experts`` neurons each, by balanced
+  k-means on the neurons' input-weight vectors (the rows feeding the activation). The router
+  starts at the cluster centroids (an expert scores ``x . mean(input rows of its neurons)``, a proxy
+  of how strongly its neurons fire) or at random. With ``top_k = n_experts`` the MoE equals the
+  dense model.
+* Shared experts: in split mode ``shared_neurons`` neurons (the largest by weight norm, or the most
+  central by direction) are removed from the partition and kept always on; in copy mode
+  ``shared_copy=True`` adds a copy of the FFN that is always on (the routed and shared halves are
+  averaged, so equivalence still holds).
+
+The result is a `moee.moe.upcycled.MoEEUpcycledForCausalLM` (decoders) or `MoEEUpcycledModel`
+(encoders); ``save_upcycled`` writes it with safetensors, together with the source tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from moee.moe.upcycled import (
+    FAMILIES,
+    MODES,
+    DenseFFN,
+    MoEEUpcycledConfig,
+    MoEEUpcycledForCausalLM,
+    MoEEUpcycledModel,
+    MoEEUpcycledPreTrainedModel,
+    family_rule,
+    moe_layers,
+)
+
+__all__ = [
+    "ROUTER_INITS",
+    "SHARED_SELECTIONS",
+    "balanced_kmeans",
+    "select_shared_neurons",
+    "split_neurons",
+    "upcycle",
+    "save_upcycled",
+]
+
+ROUTER_INITS = ("centroid", "random", "zero")
+SHARED_SELECTIONS = ("norm", "central")
+
+
+def balanced_kmeans(
+    points: torch.Tensor, n_clusters: int, *, n_iter: int = 30, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partition ``points [n, d]`` into ``n_clusters`` clusters of exactly ``n / n_clusters`` points.
+
+    Lloyd iterations whose assignment step is capacity-constrained: all (point, cluster) pairs are
+    visited in order of increasing squared distance and a point joins the first cluster with room
+    left (the greedy balanced assignment MoEfication uses). Initial centroids are ``n_clusters``
+    distinct points drawn with ``seed``. Returns ``(labels [n] long, centroids [n_clusters, d])``,
+    centroids being the means of the final clusters. Deterministic for a given seed.
+    """
+    n = points.shape[0]
+    if n_clusters < 1 or n % n_clusters:
+        raise ValueError(f"{n} points cannot be split into {n_clusters} clusters of equal size")
+    size = n // n_clusters
+    x = points.detach().double()
+    gen = torch.Generator().manual_seed(seed)
+    centroids = x[torch.randperm(n, generator=gen)[:n_clusters]].clone()
+    labels = torch.full((n,), -1, dtype=torch.long)
+    for _ in range(n_iter):
+        dist = torch.cdist(x, centroids).pow(2)  # [n, C]
+        order = torch.argsort(dist.reshape(-1), stable=True)
+        new = torch.full((n,), -1, dtype=torch.long)
+        room = [size] * n_clusters
+        left = n
+        for flat in order.tolist():
+            p, c = divmod(flat, n_clusters)
+            if new[p] >= 0 or room[c] == 0:
+                continue
+            new[p] = c
+            room[c] -= 1
+            left -= 1
+            if left == 0:
+                break
+        centroids = torch.stack([x[new == c].mean(0) for c in range(n_clusters)])
+        if torch.equal(new, labels):
+            break
+        labels = new
+    return labels, centroids.to(points.dtype)
+
+
+def select_shared_neurons(dense: DenseFFN, n_shared: int, how: str = "norm") -> torch.Tensor:
+    """The ``n_shared`` neurons to keep always on (sorted indices).
+
+    ``"norm"``: the largest ``|input rows| * |output column|`` (a data-free proxy for the neurons
+    that contribute most); ``"central"``: the highest cosine between the neuron's activation-input
+    row and the mean direction of all rows (the most generic neurons).
+    """
+    if how not in SHARED_SELECTIONS:
+        raise ValueError(f"shared-neuron selection must be one of {SHARED_SELECTIONS}, got {how!r}")
+    if not 0 <= n_shared < dense.d_ff:
+        raise ValueError(f"shared_neurons must be in [0, d_ff={dense.d_ff}), got {n_shared}")
+    if how == "norm":
+        score = dense.w_act.norm(dim=1) * dense.w_down.norm(dim=0)
+        if dense.w_up is not None:
+            score = score * dense.w_up.norm(dim=1)
+    else:
+        unit = torch.nn.functional.normalize(dense.w_act.double(), dim=1)
+        score = unit @ torch.nn.functional.normalize(unit.mean(0), dim=0)
+    return torch.sort(torch.topk(score, n_shared).indices).values
+
+
+def split_neurons(
+    dense: DenseFFN, n_experts: int, shared: torch.Tensor | None = None, *, seed: int = 0
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Balanced k-means over the activation-input rows of the neurons not in ``shared``.
+
+    Returns ``(groups, centroids)``: ``groups[e]`` the sorted neuron indices of expert ``e`` (all of
+    equal size) and ``centroids [n_experts, d]`` the mean input row of each group.
+    """
+    pool = torch.arange(dense.d_ff)
+    if shared is not None and len(shared):
+        pool = pool[~torch.isin(pool, shared)]
+    if len(pool) % n_experts:
+        extra = f" after removing {dense.d_ff - len(pool)} shared neurons" if len(pool) != dense.d_ff else ""
+        raise ValueError(
+            f"d_ff={len(pool)}{extra} is not divisible by n_experts={n_experts}: "
+            "every expert must get the same number of neurons"
+        )
+    labels, centroids = balanced_kmeans(dense.w_act[pool], n_experts, seed=seed)
+    groups = [pool[labels == e] for e in range(n_experts)]
+    return groups, centroids
+
+
+def _load_dense(src: str | Path | PreTrainedModel, dtype: torch.dtype | None) -> PreTrainedModel:
+    if isinstance(src, PreTrainedModel):
+        return src
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    rule = family_rule(config.model_type)
+    auto = AutoModelForCausalLM if rule.decoder else AutoModel
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return auto.from_pretrained(src, use_safetensors=True, **kwargs)
+
+
+def upcycle(
+    src: str | Path | PreTrainedModel,
+    *,
+    n_experts: int,
+    top_k: int,
+    mode: str = "split",
+    shared_neurons: int = 0,
+    shared_select: str = "norm",
+    shared_copy: bool = False,
+    router_init: str | None = None,
+    router_std: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+) -> MoEEUpcycledPreTrainedModel:
+    """Build an MoE model from a dense checkpoint (a path / hub name, or a loaded model).
+
+    ``src`` must be a Llama / Mistral / Qwen2 / Qwen3 / GPT-2 causal LM or a BERT / RoBERTa encoder
+    (``moee.moe.upcycled.FAMILIES``); its weights are read from safetensors only. ``router_init``
+    defaults to ``"centroid"`` for split and ``"random"`` (normal, std ``router_std``) for copy;
+    ``"zero"`` starts from uniform routing. A loaded ``src`` model is modified in place (its FFN
+    modules are replaced) and becomes the returned model's ``.model``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    router_init = router_init or ("centroid" if mode == "split" else "random")
+    if router_init not in ROUTER_INITS:
+        raise ValueError(f"router_init must be one of {ROUTER_INITS}, got {router_init!r}")
+    if mode == "copy" and router_init == "centroid":
+        raise ValueError(
+            "router_init='centroid' needs mode='split': copied experts are identical, there is nothing to cluster"
+        )
+    if mode == "copy" and shared_neurons:
+        raise ValueError(
+            "shared_neurons is for mode='split'; use shared_copy=True for a copied shared expert"
+        )
+    if mode == "split" and shared_copy:
+        raise ValueError("shared_copy is for mode='copy'; use shared_neurons=N for split mode")
+    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be an int in [1, n_experts={n_experts}], got {top_k!r}")
+
+    dense_model = _load_dense(src, dtype)
+    text_config = dense_model.config
+    rule = family_rule(getattr(text_config, "model_type", None))
+    expected = MoEEUpcycledForCausalLM if rule.decoder else MoEEUpcycledModel
+    layers = moe_layers(dense_model.base_model, rule)
+    ffns = [rule.read(layer) for layer in layers]
+    d_ff = ffns[0].d_ff
+    if mode == "split":
+        shared_width = shared_neurons
+        if not 0 <= shared_neurons < d_ff:
+            raise ValueError(f"shared_neurons must be in [0, d_ff={d_ff}), got {shared_neurons}")
+        if (d_ff - shared_neurons) % n_experts:
+            raise ValueError(
+                f"d_ff={d_ff} minus shared_neurons={shared_neurons} is not divisible by n_experts={n_experts}: "
+                "every expert must get the same number of neurons"
+            )
+        width = (d_ff - shared_neurons) // n_experts
+    else:
+        shared_width = d_ff if shared_copy else 0
+        width = d_ff
+
+    gen = torch.Generator().manual_seed(seed)
+    plans = []
+    for ffn in ffns:
+        if mode == "split":
+            shared = select_shared_neurons(ffn, shared_neurons, shared_select) if shared_neurons else None
+            groups, centroids = split_neurons(ffn, n_experts, shared, seed=seed)
+        else:
+            shared = torch.arange(d_ff) if shared_copy else None
+            groups, centroids = [torch.arange(d_ff)] * n_experts, None
+        if router_init == "centroid":
+            router = centroids
+        elif router_init == "random":
+            router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * router_std
+        else:
+            router = torch.zeros(n_experts, ffn.d_model)
+        # copy the dense tensors now: installing the MoE FFN drops the dense modules
+        plans.append((DenseFFN(**{k: _clone(v) for k, v in vars(ffn).items()}), groups, shared, router))
+
+    name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
+    config = MoEEUpcycledConfig(
+        text_config=text_config,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        upcycle_mode=mode,
+        expert_intermediate_size=width,
+        shared_intermediate_size=shared_width,
+        router_init=router_init,
+        upcycled_from=str(name) if name else None,
+    )
+    model = expected(config, dense=dense_model)
+    for moe, (ffn, groups, shared, router) in zip(model.moe_ffns(), plans, strict=True):
+        moe.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype)
+        moe.load_dense(ffn, groups, shared, router.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype))
+    return model.eval()
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def save_upcycled(
+    model: MoEEUpcycledPreTrainedModel, out: str | Path, *, tokenizer_from: str | Path | None = None
+) -> Path:
+    """Write ``model`` to ``out`` (safetensors) and, when given, the tokenizer of ``tokenizer_from``."""
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer_from is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
+    return out
+
+
+#: transformers ``model_type`` names accepted by :func:`upcycle`.
+SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))

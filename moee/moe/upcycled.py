@@ -1,0 +1,504 @@
+"""The upcycled MoE model: a dense Hugging Face model whose FFNs were turned into MoE FFNs.
+
+`MoEEUpcycledConfig` (``model_type="moee_upcycled"``) stores the dense model's own config as
+``text_config`` plus the MoE settings; `MoEEUpcycledModel` / `MoEEUpcycledForCausalLM` rebuild the
+dense architecture from that config (the family's transformers class, no remote code) and replace
+each layer's FFN with an `UpcycledMoEFFN` (a `MoEERouter` + experts holding slices or copies of the
+FFN's weights). Everything else (embeddings, attention, norms, LM head) is the dense model's code.
+
+Where the FFN lives and how it is built differs per family; :data:`FAMILIES` is the one rule table
+(Llama-style SwiGLU ``gate/up/down``, GPT-2 ``c_fc/c_proj`` Conv1D with biases, BERT
+``intermediate.dense`` + ``output.dense`` whose LayerNorm and residual stay outside the experts).
+
+The router is declared in ``_can_record_outputs["router_logits"]`` (like `moee.moe.lm`), so
+`moee.capture.find_routers` finds one router per MoE layer without a special case. Importing this
+module registers the config with `AutoConfig` and the models with `AutoModel` /
+`AutoModelForCausalLM` (decoder families only), so a saved directory loads with the Auto classes
+after ``import moee.moe.upcycled`` (``moee.moe.upcycle`` imports it).
+
+How experts are combined (see docs/UPCYCLING.md):
+
+* ``split``: each expert holds a disjoint slice of the FFN's neurons; the selected experts are
+  **summed** (weight exactly 1 each; the gate value enters only through a straight-through term
+  ``g - g.detach()``, so the router still gets a gradient). Summing is what makes top-k = all
+  experts equal to the dense FFN: a weighted average of partial FFNs would not be.
+* ``copy``: every expert is a full copy of the FFN and the selected experts are averaged with the
+  renormalised top-k softmax weights (they sum to 1), so any routing reproduces the dense FFN.
+
+The FFN's output bias (GPT-2 ``c_proj.bias``, BERT ``output.dense.bias``) is added once, outside
+the experts, in both modes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GenerationMixin,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+from transformers.configuration_utils import SubConfigSpec
+from transformers.utils.output_capturing import OutputRecorder
+
+from moee.moe.gates import NoisyTopKGate
+from moee.moe.layer import MoEERouter, dispatch_combine
+
+__all__ = [
+    "FAMILIES",
+    "MODES",
+    "DenseFFN",
+    "FamilyRule",
+    "MoEEUpcycledConfig",
+    "MoEEUpcycledForCausalLM",
+    "MoEEUpcycledModel",
+    "UpcycledExperts",
+    "UpcycledMoEFFN",
+    "family_rule",
+    "moe_layers",
+]
+
+MODES = ("split", "copy")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-family rules: where the FFN lives and what it computes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DenseFFN:
+    """A dense FFN in one layout: ``down(act(x A^T + a) [* (x U^T + u)]) + b``.
+
+    ``w_act [d_ff, d]`` are the rows that feed the activation (SwiGLU ``gate_proj``, GPT-2 ``c_fc``,
+    BERT ``intermediate.dense``); ``w_up [d_ff, d]`` the linear half of a gated FFN (``None``
+    otherwise); ``w_down [d, d_ff]``. Biases are ``None`` when the module has none.
+    """
+
+    w_act: torch.Tensor
+    w_down: torch.Tensor
+    act: nn.Module
+    w_up: torch.Tensor | None = None
+    b_act: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    dropout: nn.Module | None = None
+
+    @property
+    def d_ff(self) -> int:
+        return int(self.w_act.shape[0])
+
+    @property
+    def d_model(self) -> int:
+        return int(self.w_act.shape[1])
+
+    @property
+    def gated(self) -> bool:
+        return self.w_up is not None
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    bias = getattr(linear, "bias", None)
+    return bias.detach() if isinstance(bias, torch.Tensor) else None
+
+
+def _read_swiglu(layer: nn.Module) -> DenseFFN:
+    mlp = layer.mlp
+    return DenseFFN(
+        w_act=mlp.gate_proj.weight.detach(),
+        w_up=mlp.up_proj.weight.detach(),
+        w_down=mlp.down_proj.weight.detach(),
+        b_act=_bias(mlp.gate_proj),
+        b_up=_bias(mlp.up_proj),
+        b_down=_bias(mlp.down_proj),
+        act=mlp.act_fn,
+    )
+
+
+def _read_gpt2(layer: nn.Module) -> DenseFFN:
+    mlp = layer.mlp  # Conv1D weights are [in, out]
+    return DenseFFN(
+        w_act=mlp.c_fc.weight.detach().t(),
+        w_down=mlp.c_proj.weight.detach().t(),
+        b_act=_bias(mlp.c_fc),
+        b_down=_bias(mlp.c_proj),
+        act=mlp.act,
+        dropout=mlp.dropout,
+    )
+
+
+def _read_bert(layer: nn.Module) -> DenseFFN:
+    return DenseFFN(
+        w_act=layer.intermediate.dense.weight.detach(),
+        w_down=layer.output.dense.weight.detach(),
+        b_act=_bias(layer.intermediate.dense),
+        b_down=_bias(layer.output.dense),
+        act=layer.intermediate.intermediate_act_fn,
+    )
+
+
+def _install_mlp(layer: nn.Module, moe: nn.Module) -> None:
+    layer.mlp = moe
+
+
+def _install_bert(layer: nn.Module, moe: nn.Module) -> None:
+    # BertOutput computes LayerNorm(dropout(dense(h)) + residual): the experts replace
+    # intermediate + output.dense, the dropout, residual and LayerNorm stay where they are.
+    layer.intermediate = moe
+    layer.output.dense = nn.Identity()
+
+
+@dataclass(frozen=True)
+class FamilyRule:
+    """How to find, read and replace the FFN of one model family.
+
+    ``decoder``: the dense checkpoint is a causal LM (``AutoModelForCausalLM``), else an encoder
+    (``AutoModel``). ``layers``: attribute path from the base model to its layer list. ``read``
+    turns a layer's FFN into a `DenseFFN`; ``install`` puts the MoE FFN in its place.
+    """
+
+    decoder: bool
+    layers: str
+    read: Callable[[nn.Module], DenseFFN]
+    install: Callable[[nn.Module, nn.Module], None]
+
+
+_SWIGLU = FamilyRule(decoder=True, layers="layers", read=_read_swiglu, install=_install_mlp)
+_BERT = FamilyRule(decoder=False, layers="encoder.layer", read=_read_bert, install=_install_bert)
+
+#: transformers ``model_type`` -> rule. Every entry is exercised by ``tests/test_upcycle.py``.
+FAMILIES: dict[str, FamilyRule] = {
+    "llama": _SWIGLU,
+    "mistral": _SWIGLU,
+    "qwen2": _SWIGLU,
+    "qwen3": _SWIGLU,
+    "gpt2": FamilyRule(decoder=True, layers="h", read=_read_gpt2, install=_install_mlp),
+    "bert": _BERT,
+    "roberta": _BERT,
+}
+
+
+def family_rule(model_type: str | None) -> FamilyRule:
+    """The rule of ``model_type``; a ``ValueError`` naming the supported types otherwise."""
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"upcycling does not support model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]
+
+
+def moe_layers(base: nn.Module, rule: FamilyRule) -> nn.ModuleList:
+    """The layer list of ``base`` (the family's base model, e.g. ``LlamaModel``)."""
+    return operator.attrgetter(rule.layers)(base)
+
+
+# --------------------------------------------------------------------------------------------
+# The MoE FFN
+# --------------------------------------------------------------------------------------------
+
+
+class UpcycledExperts(nn.Module):
+    """``n_experts`` FFN experts of width ``d_hidden`` with the dense FFN's activation and biases.
+
+    ``w_in [E, d_model, h_in]`` (``h_in = 2 * d_hidden`` when gated: activation half, then linear
+    half), ``b_in [E, h_in]`` when the dense first projection had a bias, ``w_out [E, d_hidden,
+    d_model]`` (no bias: the output bias is added once by `UpcycledMoEFFN`). Exposes
+    ``n_experts`` / ``d_model`` / ``grouped_forward`` so `moee.moe.layer.dispatch_combine` drives it.
+    """
+
+    def __init__(
+        self, n_experts: int, d_model: int, d_hidden: int, act: nn.Module, *, gated: bool, bias: bool
+    ) -> None:
+        super().__init__()
+        self.n_experts, self.d_model, self.d_hidden, self.gated = n_experts, d_model, d_hidden, gated
+        width = 2 * d_hidden if gated else d_hidden
+        self.act = act
+        self.w_in = nn.Parameter(torch.zeros(n_experts, d_model, width))
+        self.b_in = nn.Parameter(torch.zeros(n_experts, width)) if bias else None
+        self.w_out = nn.Parameter(torch.zeros(n_experts, d_hidden, d_model))
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on rows ``x [n, d_model]``."""
+        h = x @ self.w_in[e]
+        if self.b_in is not None:
+            h = h + self.b_in[e]
+        if self.gated:
+            a, u = h.chunk(2, dim=-1)
+            h = self.act(a) * u
+        else:
+            h = self.act(h)
+        return h @ self.w_out[e]
+
+    def grouped_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert on its contiguous slice of ``x_sorted`` (rows sorted by expert)."""
+        pieces = [
+            self.expert_forward(e, chunk)
+            for e, chunk in enumerate(torch.split(x_sorted, counts))
+            if counts[e]
+        ]
+        return torch.cat(pieces) if pieces else x_sorted.new_zeros(0, self.d_model)
+
+    @torch.no_grad()
+    def load_neurons(self, dense: DenseFFN, groups: list[torch.Tensor]) -> None:
+        """Expert ``e`` gets the neurons ``groups[e]`` (indices into ``d_ff``) of ``dense``."""
+        if len(groups) != self.n_experts or any(len(g) != self.d_hidden for g in groups):
+            raise ValueError(f"need {self.n_experts} neuron groups of {self.d_hidden} neurons each")
+        for e, idx in enumerate(groups):
+            w_in = dense.w_act[idx].t()
+            if self.gated:
+                w_in = torch.cat([w_in, dense.w_up[idx].t()], dim=1)
+            self.w_in[e].copy_(w_in)
+            self.w_out[e].copy_(dense.w_down[:, idx].t())
+            if self.b_in is not None:
+                b_act = dense.b_act[idx] if dense.b_act is not None else torch.zeros(len(idx))
+                if self.gated:
+                    b_up = dense.b_up[idx] if dense.b_up is not None else torch.zeros(len(idx))
+                    b_act = torch.cat([b_act, b_up])
+                self.b_in[e].copy_(b_act)
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, gated={self.gated}"
+
+
+class UpcycledMoEFFN(nn.Module):
+    """Drop-in replacement of a dense FFN: ``router`` + routed ``experts`` (+ ``shared``) + output bias.
+
+    ``forward(x [..., d]) -> [..., d]``: ``shared_scale * shared(x) + routed(x) * routed_scale + b``.
+    ``routed`` sums the selected experts (``split``: weight 1 each, straight-through gate gradient)
+    or averages them with the renormalised top-k gate values (``copy``). With a copied shared
+    expert (``copy``) both halves are scaled by 1/2 so the output still equals the dense FFN.
+    """
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_experts: int,
+        top_k: int,
+        expert_width: int,
+        shared_width: int,
+        mode: str,
+        act: nn.Module,
+        gated: bool,
+        bias_in: bool,
+        bias_out: bool,
+        dropout: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.router = MoEERouter(NoisyTopKGate(d_model, n_experts, top_k, noisy=False), n_experts, top_k)
+        self.experts = UpcycledExperts(n_experts, d_model, expert_width, act, gated=gated, bias=bias_in)
+        self.shared = (
+            UpcycledExperts(1, d_model, shared_width, act, gated=gated, bias=bias_in)
+            if shared_width
+            else None
+        )
+        self.b_out = nn.Parameter(torch.zeros(d_model)) if bias_out else None
+        self.dropout = dropout
+        # copy + shared copy: average the two full FFNs; split: the shared neurons are simply part of the sum
+        self.mix = 0.5 if (mode == "copy" and shared_width) else 1.0
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, indices, _ = self.router(x)
+        if self.mode == "split":
+            weights = weights - weights.detach() + 1.0  # value exactly 1, gradient of the gate
+        out = dispatch_combine(x, weights, indices, self.experts)
+        if self.shared is not None:
+            out = out + self.shared.expert_forward(0, x)
+        if self.mix != 1.0:
+            out = out * self.mix
+        if self.b_out is not None:
+            out = out + self.b_out
+        if self.dropout is not None:
+            out = self.dropout(out)
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def load_dense(
+        self,
+        dense: DenseFFN,
+        groups: list[torch.Tensor],
+        shared: torch.Tensor | None,
+        router_weight: torch.Tensor,
+    ) -> None:
+        """Fill the experts from ``dense``: expert ``e`` gets neurons ``groups[e]``, the shared expert
+        ``shared``; ``router_weight [E, d]`` becomes the gate's projection."""
+        self.experts.load_neurons(dense, groups)
+        if (shared is None) != (self.shared is None):
+            raise ValueError("shared neurons given for a layer without a shared expert, or missing")
+        if self.shared is not None:
+            self.shared.load_neurons(dense, [shared])
+        if self.b_out is not None:
+            self.b_out.copy_(dense.b_down)
+        gate = self.router.gate.w_gate
+        if router_weight.shape != gate.weight.shape:
+            raise ValueError(
+                f"router weight must be {tuple(gate.weight.shape)}, got {tuple(router_weight.shape)}"
+            )
+        gate.weight.copy_(router_weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Config and models
+# --------------------------------------------------------------------------------------------
+
+
+class MoEEUpcycledConfig(PreTrainedConfig):
+    """Config of an upcycled model: the dense model's config (``text_config``) plus the MoE settings.
+
+    ``upcycle_mode``: ``"split"`` (experts hold disjoint neuron slices of width
+    ``expert_intermediate_size = (d_ff - shared_intermediate_size) / num_experts``) or ``"copy"``
+    (every expert is the whole FFN). ``shared_intermediate_size``: width of the always-on shared
+    expert (0: none; in copy mode it is d_ff, a full copy). ``router_init`` and ``upcycled_from``
+    record how the model was built (informational).
+    """
+
+    model_type = "moee_upcycled"
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    text_config: dict | PreTrainedConfig | None = None
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    upcycle_mode: str = "split"
+    expert_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    router_init: str = "random"
+    upcycled_from: str | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.upcycle_mode not in MODES:
+            raise ValueError(f"upcycle_mode must be one of {MODES}, got {self.upcycle_mode!r}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            )
+        family_rule(self.text_config.model_type)
+        if self.expert_intermediate_size < 1:
+            raise ValueError(f"expert_intermediate_size must be >= 1, got {self.expert_intermediate_size}")
+        # the dense model's tying decides (it owns the embedding and the LM head)
+        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+
+def _dense_class(config: PreTrainedConfig, decoder: bool) -> type[PreTrainedModel]:
+    """The transformers class of the dense model (causal LM for decoders, base model for encoders)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    mapping = MODEL_FOR_CAUSAL_LM_MAPPING if decoder else MODEL_MAPPING
+    return mapping[type(config)]
+
+
+class MoEEUpcycledPreTrainedModel(PreTrainedModel):
+    """Holds the dense architecture as ``self.model`` with every FFN replaced by an `UpcycledMoEFFN`."""
+
+    config_class = MoEEUpcycledConfig
+    config: MoEEUpcycledConfig
+    base_model_prefix = "model"
+    _can_record_outputs = {"router_logits": OutputRecorder(MoEERouter, index=0)}
+    _supports_sdpa = True
+
+    def __init__(self, config: MoEEUpcycledConfig, dense: PreTrainedModel | None = None) -> None:
+        super().__init__(config)
+        # PreTrainedModel resolves the attention backend on this config only; the setter passes it
+        # down to text_config, which the dense layers read
+        config._attn_implementation = config._attn_implementation
+        rule = family_rule(config.text_config.model_type)
+        if dense is None:
+            dense = _dense_class(config.text_config, rule.decoder)(config.text_config)
+        self.model = dense
+        self._no_split_modules = getattr(dense, "_no_split_modules", None)
+        for layer in moe_layers(dense.base_model, rule):
+            ffn = rule.read(layer)
+            rule.install(
+                layer,
+                UpcycledMoEFFN(
+                    d_model=ffn.d_model,
+                    n_experts=config.num_experts,
+                    top_k=config.num_experts_per_tok,
+                    expert_width=config.expert_intermediate_size,
+                    shared_width=config.shared_intermediate_size,
+                    mode=config.upcycle_mode,
+                    act=ffn.act,
+                    gated=ffn.gated,
+                    bias_in=ffn.b_act is not None or ffn.b_up is not None,
+                    bias_out=ffn.b_down is not None,
+                    dropout=ffn.dropout,
+                ),
+            )
+        self.post_init()
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The dense family's base model (``LlamaModel``, ``GPT2Model``, ``BertModel``): its output
+        holds ``last_hidden_state``, which is what embedding capture pools."""
+        return self.model.base_model
+
+    def moe_ffns(self) -> list[UpcycledMoEFFN]:
+        """The MoE FFN of every layer, in layer order."""
+        return [m for m in self.modules() if isinstance(m, UpcycledMoEFFN)]
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.set_input_embeddings(value)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Weights come from the dense checkpoint (upcycle) or the saved file (from_pretrained);
+        # a fresh model from a config keeps the dense class's own init and zero experts.
+        return
+
+
+class MoEEUpcycledModel(MoEEUpcycledPreTrainedModel):
+    """`AutoModel` class: the base model's forward (``last_hidden_state``), like ``AutoModel`` of the dense model."""
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+
+class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
+    """`AutoModelForCausalLM` class of upcycled decoders: the dense causal LM's forward (logits)."""
+
+    def __init__(self, config: MoEEUpcycledConfig, dense: PreTrainedModel | None = None) -> None:
+        model_type = config.text_config.model_type
+        if not family_rule(model_type).decoder:
+            raise ValueError(
+                f"an upcycled {model_type} is an encoder, not a causal LM: load it with AutoModel"
+            )
+        super().__init__(config, dense)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.model.set_output_embeddings(value)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        return self.model.prepare_inputs_for_generation(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+AutoConfig.register(MoEEUpcycledConfig.model_type, MoEEUpcycledConfig, exist_ok=True)
+AutoModel.register(MoEEUpcycledConfig, MoEEUpcycledModel, exist_ok=True)
+AutoModelForCausalLM.register(MoEEUpcycledConfig, MoEEUpcycledForCausalLM, exist_ok=True)
