@@ -13,7 +13,8 @@ import torch
 
 from moee.moe.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_state
 from moee.moe.trainer import (
-    NonFiniteLossError,
+    NonFiniteGradientError,
+    NonFiniteTrainingError,
     WindowSampler,
     load_config,
     lr_at,
@@ -144,7 +145,7 @@ def test_non_finite_loss_stops_and_names_the_step(corpus, tmp_path):
     cfg = tiny_cfg(corpus, tmp_path)
     cfg["optim"]["lr"] = 1e30  # the first update blows the weights up
     cfg["optim"]["grad_clip"] = 1e30
-    with pytest.raises(NonFiniteLossError, match=r"at step \d+"):
+    with pytest.raises(NonFiniteTrainingError, match=r"at step \d+"):
         train(cfg, progress=False)
 
 
@@ -231,3 +232,249 @@ def test_router_bias_calibration_rebalances_loss_free_gates():
     for k, v in model.state_dict().items():  # only the biases moved
         if k in weights:
             assert torch.equal(v, weights[k]), k
+
+
+# ----------------------------------------------------------------------------- reliability
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_fresh_run_into_a_directory_with_an_earlier_run_refuses_and_keeps_it(corpus, tmp_path, capsys):
+    from moee.cli import main
+
+    out = tmp_path / "run"
+    cfg = tiny_cfg(corpus, out)
+    cfg["checkpoint"]["keep"] = 2
+    train(cfg, progress=False)
+    before = _tree_bytes(out)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    argv = ["train", "--config", str(cfg_path), "--stop-at-step", "2", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--overwrite" in err and "--resume" in err
+    assert _tree_bytes(out) == before  # the earlier run is untouched
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        train(cfg, stop_at_step=2, progress=False)
+    with pytest.raises(ValueError, match="overwrite"):
+        train(cfg, resume=True, overwrite=True, progress=False)
+    # --overwrite replaces the earlier run; its newest checkpoint is the new run's, and resume continues it
+    assert main([*argv, "--overwrite"]) == 0
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
+    assert _train_losses(out / "log.jsonl") == _train_losses_of(before)[:2]
+    train(cfg, resume=True, progress=False)
+    assert _train_losses(out / "log.jsonl") == _train_losses_of(before)
+
+
+def _train_losses_of(tree: dict[str, bytes]) -> list[float]:
+    lines = tree["log.jsonl"].decode().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def _tiny_model_and_optimizer():
+    from moee.moe.lm import MoEEConfig, MoEEForCausalLM
+
+    torch.manual_seed(0)
+    model = MoEEForCausalLM(
+        MoEEConfig(
+            vocab_size=20,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+        )
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_pruning_never_deletes_the_newest_checkpoint(tmp_path):
+    from moee.moe.checkpoint import save_checkpoint
+
+    model, opt = _tiny_model_and_optimizer()
+    for step in (5, 6):
+        save_checkpoint(tmp_path, step=step, model=model, optimizer=opt, data_position=0, config={}, keep=2)
+    new = save_checkpoint(tmp_path, step=2, model=model, optimizer=opt, data_position=0, config={}, keep=1)
+    assert new.is_dir() and read_state(new)["step"] == 2
+
+
+def test_save_checkpoint_refuses_non_finite_weights(tmp_path):
+    from moee.moe.checkpoint import save_checkpoint
+
+    model, opt = _tiny_model_and_optimizer()
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    with pytest.raises(FloatingPointError, match="model.norm.weight"):
+        save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, data_position=0, config={})
+    assert list_checkpoints(tmp_path) == [] and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [
+        ("optim", "lr", 0.02),
+        ("optim", "batch_size", 2),
+        ("data", "seq_len", 8),
+        (None, "seed", 1),
+        ("model", "hidden_size", 32),
+        ("schedule", "warmup_steps", 3),
+        ("schedule", "max_steps", 5),
+    ],
+)
+def test_resume_refuses_config_changes_that_alter_the_result(corpus, tmp_path, section, key, value):
+    cfg = tiny_cfg(corpus, tmp_path)
+    train(cfg, stop_at_step=3, progress=False)
+    changed = json.loads(json.dumps(cfg))
+    (changed[section] if section else changed)[key] = value
+    name = f"{section}.{key}" if section else key
+    with pytest.raises(ValueError, match=rf"{name}.*step_00000003|step_00000003.*{name}"):
+        train(changed, resume=True, progress=False)
+
+
+def test_resume_compares_the_data_by_content_not_path(corpus, tmp_path):
+    import shutil
+
+    train_file = tmp_path / "train.jsonl"
+    shutil.copy(corpus["root"] / "train.jsonl", train_file)
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    cfg["data"]["train"] = str(train_file)
+    train(cfg, stop_at_step=3, progress=False)
+    with open(train_file, "a") as f:
+        f.write(json.dumps({"text": "the river"}) + "\n")
+    with pytest.raises(ValueError, match="data.train"):
+        train(cfg, resume=True, progress=False)
+    # the same content under another path, a new thread count and checkpoint period are fine
+    moved = tmp_path / "moved.jsonl"
+    shutil.copy(corpus["root"] / "train.jsonl", moved)
+    cfg["data"]["train"] = str(moved)
+    cfg["threads"] = 2
+    cfg["checkpoint"]["every"] = 3
+    with pytest.warns(UserWarning, match="data.train"):
+        train(cfg, resume=True, progress=False)
+    full = train(tiny_cfg(corpus, tmp_path / "full"), progress=False)
+    assert full.step == 6
+    assert _train_losses(tmp_path / "run" / "log.jsonl") == _train_losses(tmp_path / "full" / "log.jsonl")
+
+
+def test_resume_honours_a_raised_max_steps_and_says_so(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    train(cfg, stop_at_step=3, progress=False)
+    cfg["schedule"]["max_steps"] = 8
+    with pytest.warns(UserWarning, match=r"schedule.max_steps.*6 -> 8"):
+        result = train(cfg, resume=True, progress=False)
+    assert result.step == 8 and read_state(result.checkpoint)["max_steps"] == 8
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    notes = [r for r in records if r["kind"] == "resume"]
+    assert len(notes) == 1 and notes[0]["step"] == 3 and "schedule.max_steps" in json.dumps(notes[0])
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))
+
+
+def test_nan_gradient_is_never_applied_or_checkpointed(corpus, tmp_path, monkeypatch):
+    import moee.moe.trainer as trainer_mod
+
+    build = trainer_mod._build_model
+
+    def build_with_nan_at_step_4(cfg, tokenizer):
+        model = build(cfg, tokenizer)
+        calls = {"n": 0}
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            return grad * float("nan") if calls["n"] == 4 else grad
+
+        model.model.norm.weight.register_hook(hook)
+        return model
+
+    monkeypatch.setattr(trainer_mod, "_build_model", build_with_nan_at_step_4)
+    with pytest.raises(NonFiniteGradientError, match=r"gradient.*step 4.*step_00000002"):
+        train(tiny_cfg(corpus, tmp_path), progress=False)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    weights = load_checkpoint(latest_checkpoint(tmp_path), *_model_for(corpus, tmp_path))
+    assert weights["step"] == 2
+
+
+def _model_for(corpus, out):
+    from transformers import AutoTokenizer
+
+    from moee.moe.trainer import _build_model
+
+    model = _build_model(
+        load_config(tiny_cfg(corpus, out)), AutoTokenizer.from_pretrained(corpus["root"] / "tok")
+    )
+    return model, None
+
+
+def test_non_finite_weights_are_never_saved_and_name_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
+    """An update that overflows a weight (finite loss and gradient) stops the run before any save."""
+    step = torch.optim.AdamW.step
+    calls = {"n": 0}
+
+    def overflowing_step(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 4:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+    with pytest.raises(NonFiniteTrainingError, match=r"step 4.*step_00000002"):
+        train(tiny_cfg(corpus, tmp_path), progress=False)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    model, _ = _model_for(corpus, tmp_path)
+    load_checkpoint(latest_checkpoint(tmp_path), model, None)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_flipped_bit_in_trainer_state_is_detected(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    train(cfg, stop_at_step=2, progress=False)
+    state = latest_checkpoint(tmp_path) / "trainer_state.json"
+    data = bytearray(state.read_bytes())
+    at = data.index(b'"data_position": 8') + len(b'"data_position": ')
+    data[at] ^= 0x01  # 8 -> 9: still valid JSON, a different data position
+    state.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="trainer_state.json"):
+        train(cfg, resume=True, progress=False)
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_state_file_list_cannot_point_outside_the_checkpoint(corpus, tmp_path, how):
+    from moee.moe.checkpoint import sha256_file
+
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    train(cfg, stop_at_step=2, progress=False)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not part of the checkpoint\n")
+    state_path = latest_checkpoint(tmp_path / "run") / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    name = "../../outside.txt" if how == "relative" else str(outside)
+    state["files"][name] = sha256_file(outside)
+    state_path.write_text(json.dumps(state, indent=2))
+    with pytest.raises(ValueError, match="outside"):
+        train(cfg, resume=True, progress=False)
+
+
+def test_resume_drops_a_partial_last_log_line_with_a_warning(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path / "split")
+    train(cfg, stop_at_step=3, progress=False)
+    log = tmp_path / "split" / "log.jsonl"
+    with open(log, "a") as f:
+        f.write('{"kind": "train", "step": 4, "lr"')  # the process died mid-write
+    with pytest.warns(UserWarning, match=r"log.jsonl.*partial"):
+        train(cfg, resume=True, progress=False)
+    train(tiny_cfg(corpus, tmp_path / "full"), progress=False)
+    assert _train_losses(log) == _train_losses(tmp_path / "full" / "log.jsonl")
+
+
+def test_corrupt_log_line_is_an_error_naming_the_file(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    train(cfg, stop_at_step=3, progress=False)
+    log = tmp_path / "log.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(lines[0] + "{garbage\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match=r"log.jsonl:2"):
+        train(cfg, resume=True, progress=False)

@@ -1,12 +1,16 @@
-"""`moee train --config FILE [--resume]`: train the from-scratch MoE language model.
+"""`moee train --config FILE [--resume | --overwrite]`: train the from-scratch MoE language model.
 
 The config format is documented in `moee.moe.trainer` (and moee/moe/README_TRAINING.md).
+Exit status: 0 done, 2 bad input (a config, checkpoint or log problem, a non-empty run
+directory without --overwrite, a config change --resume refuses), 3 a NaN/inf loss, gradient
+or weight (nothing non-finite was applied or saved; the message names the last good checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,6 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.dir"
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a fresh run in a checkpoint.dir that holds an earlier run, deleting its checkpoints and log",
+    )
+    p.add_argument(
         "--stop-at-step",
         type=int,
         default=None,
@@ -30,13 +39,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moee.moe.trainer import NonFiniteLossError, train
+    from moee.moe.trainer import NonFiniteTrainingError, RunDirectoryNotEmptyError, TrainerWarning, train
+
+    def show(message, category, *_args, **_kwargs) -> None:
+        print(f"moee train: warning: {message}", file=sys.stderr)
 
     try:
-        result = train(
-            args.config, resume=args.resume, stop_at_step=args.stop_at_step, progress=not args.no_progress
-        )
-    except NonFiniteLossError as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", TrainerWarning)
+            warnings.showwarning = show
+            result = train(
+                args.config,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                stop_at_step=args.stop_at_step,
+                progress=not args.no_progress,
+            )
+    except RunDirectoryNotEmptyError as exc:
+        print(f"moee train: error: {exc}", file=sys.stderr)
+        return 2
+    except NonFiniteTrainingError as exc:
         print(f"moee train: error: {exc}", file=sys.stderr)
         return 3
     where = f", checkpoint {result.checkpoint}" if result.checkpoint else ""

@@ -6,11 +6,16 @@ A checkpoint is a directory `step_XXXXXXXX/` holding
 - `optimizer.safetensors`: every optimizer state tensor, keyed `state.<param>.<name>`;
 - `rng.safetensors`: the torch CPU generator state (the gates' noise and any sampling);
 - `trainer_state.json`: step, data position, optimizer hyper-parameters (param groups), the
-  training config, and the SHA-256 of every file above.
+  training config, the SHA-256 of every file above, and the SHA-256 of the state itself
+  (`state_sha256`, over its canonical JSON without that key).
 
 It is written to a temporary directory and renamed into place, so a crash mid-save leaves
-no half checkpoint under the final name. Loading verifies every hash first: a truncated or
-corrupt file raises `ValueError` naming the file instead of failing deep inside torch.
+no half checkpoint under the final name, and it is never written with a NaN or infinite
+weight or optimizer moment (`NonFiniteCheckpointError`). Pruning only removes checkpoints
+older than the one just written. Loading verifies the state hash, that every listed file is
+a plain name inside the checkpoint directory, and every file hash first: a truncated,
+altered or foreign file raises `ValueError` naming the file instead of failing deep inside
+torch or resuming from a silently different state.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,15 @@ STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
+CONFIG_FILE = "config.json"
+REQUIRED_FILES = (MODEL_FILE, OPTIM_FILE, RNG_FILE, CONFIG_FILE)
+STATE_FORMAT = 2  # 1: no state hash (older checkpoints)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_ANY_STEP_DIR = re.compile(r"^(\.tmp_)?step_\d{8}$")
+
+
+class NonFiniteCheckpointError(FloatingPointError):
+    """A weight or optimizer state tensor is NaN or infinite; such a checkpoint is never written."""
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -40,6 +54,19 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def state_digest(state: dict) -> str:
+    """SHA-256 of a trainer state's canonical JSON, without its own `state_sha256` entry."""
+    body = {k: v for k, v in state.items() if k != "state_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -98,7 +125,18 @@ def save_checkpoint(
     extra: dict | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Write `directory/step_{step:08d}` atomically; keep only the newest `keep` checkpoints."""
+    """Write `directory/step_{step:08d}` atomically and prune older checkpoints.
+
+    Refuses (`NonFiniteCheckpointError`, nothing written) when a weight or optimizer state is
+    NaN/inf. Pruning keeps the new checkpoint and the newest `keep - 1` checkpoints with a
+    lower step; it never deletes the checkpoint just written, whatever else the directory holds.
+    """
+    tensors, groups = optimizer_to_tensors(optimizer)
+    bad = _first_non_finite(dict(model.state_dict())) or _first_non_finite(tensors)
+    if bad is not None:
+        raise NonFiniteCheckpointError(
+            f"{bad} holds NaN or infinite values; step {step} was not checkpointed"
+        )
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -107,27 +145,32 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     model.save_pretrained(tmp)
-    tensors, groups = optimizer_to_tensors(optimizer)
     save_file(tensors, str(tmp / OPTIM_FILE))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / RNG_FILE))
-    files = {name: sha256_file(tmp / name) for name in (MODEL_FILE, OPTIM_FILE, RNG_FILE, "config.json")}
     state = {
+        "format": STATE_FORMAT,
         "step": int(step),
         "data_position": int(data_position),
         "param_groups": groups,
         "config": config,
-        "files": files,
+        "files": {name: sha256_file(tmp / name) for name in REQUIRED_FILES},
         "torch_version": torch.__version__,
         **(extra or {}),
     }
+    state["state_sha256"] = state_digest(state)
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     if keep is not None and keep > 0:
-        for old in list_checkpoints(root)[:-keep]:
+        older = [p for p in list_checkpoints(root) if _step_of(p) < step]
+        for old in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -138,12 +181,35 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     found = [
         p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / STATE_FILE).exists()
     ]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=_step_of)
+
+
+def checkpoint_dirs(directory: str | os.PathLike) -> list[Path]:
+    """Every checkpoint directory under `directory`, complete or not (`step_*`, `.tmp_step_*`)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _ANY_STEP_DIR.match(p.name))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def _check_file_names(state_path: Path, files: Any) -> None:
+    """Every listed file must be a plain name inside the checkpoint, and the required ones listed."""
+    if not isinstance(files, dict):
+        raise ValueError(f"checkpoint file {state_path} is corrupt: 'files' is not an object")
+    for name in files:
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise ValueError(
+                f"checkpoint file {state_path} lists {name!r}, a path outside the checkpoint directory "
+                f"{state_path.parent}; only plain file names inside it are accepted"
+            )
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        raise ValueError(f"checkpoint file {state_path} is corrupt: no hash for {missing}")
 
 
 def read_state(path: str | os.PathLike) -> dict:
@@ -156,11 +222,24 @@ def read_state(path: str | os.PathLike) -> dict:
         state = json.loads(state_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"checkpoint file {state_path} is corrupt: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint file {state_path} is corrupt: not a JSON object")
     for key in ("step", "data_position", "param_groups", "files"):
         if key not in state:
             raise ValueError(f"checkpoint file {state_path} is corrupt: missing {key!r}")
+    _check_file_names(state_path, state["files"])
+    if "state_sha256" in state or "format" in state:
+        if state.get("state_sha256") != state_digest(state):
+            raise ValueError(f"checkpoint file {state_path} is corrupt or altered (state SHA-256 mismatch)")
+    else:  # written before the state was hashed: a single damaged key cannot make a new state look like this
+        warnings.warn(
+            f"{state_path} predates state hashing; its own contents are not integrity-checked",
+            stacklevel=2,
+        )
     for name, digest in state["files"].items():
         fpath = path / name
+        if fpath.is_symlink():
+            raise ValueError(f"checkpoint file {fpath} is a symbolic link (possibly outside the checkpoint)")
         if not fpath.exists():
             raise ValueError(f"checkpoint file {fpath} is missing")
         if sha256_file(fpath) != digest:
@@ -175,7 +254,10 @@ def load_checkpoint(
     path = Path(path)
     state = read_state(path)
     weights = _load_safetensors(path / MODEL_FILE)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:  # shape mismatch: another architecture
+        raise ValueError(f"checkpoint file {path / MODEL_FILE} does not match the model: {exc}") from exc
     tied = (
         set(getattr(model, "_tied_weights_keys", None) or {}) if model.config.tie_word_embeddings else set()
     )

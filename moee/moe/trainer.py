@@ -33,8 +33,16 @@ by the tokenizer's eos) cached under `cache_dir` and memory-mapped. Training win
 non-overlapping `seq_len` slices of that stream, visited in a seeded permutation per epoch, so
 the data position is a single integer (windows consumed) and resuming is exact.
 
-Logs: `<checkpoint.dir>/log.jsonl`, one JSON object per step (`"kind": "train"`) and per
-evaluation (`"kind": "eval"`, with per-layer load statistics on the held-out windows).
+Logs: `<checkpoint.dir>/log.jsonl`, one JSON object per step (`"kind": "train"`), per
+evaluation (`"kind": "eval"`, with per-layer load statistics on the held-out windows) and per
+resume (`"kind": "resume"`, with the config changes it accepted).
+
+Runs never overwrite or silently continue each other: a fresh run refuses a `checkpoint.dir`
+that already holds checkpoints or a log (`RunDirectoryNotEmptyError`) unless `overwrite=True`;
+a resumed run refuses a config that differs from the checkpoint's in anything that changes
+the result (`ResumeConfigError`, naming the keys; the input files are compared by content),
+see `resume_plan`. A NaN/inf loss, gradient norm or weight stops the run before the step is
+applied or saved, naming the last good checkpoint (`NonFiniteTrainingError`).
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +62,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from moee.moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moee.moe.checkpoint import (
+    NonFiniteCheckpointError,
+    checkpoint_dirs,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+    sha256_file,
+)
 from moee.moe.layer import balance_stats
 
 DEFAULTS: dict[str, Any] = {
@@ -76,8 +94,41 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteTrainingError(FloatingPointError):
+    """Training produced a NaN or infinite value; the run stops without applying or saving it."""
+
+
+class NonFiniteLossError(NonFiniteTrainingError):
     """The training loss became NaN or infinite; training stops at that step."""
+
+
+class NonFiniteGradientError(NonFiniteTrainingError):
+    """The gradient norm is NaN or infinite although the loss is finite; the update is not applied."""
+
+
+class RunDirectoryNotEmptyError(FileExistsError):
+    """A fresh run was pointed at a `checkpoint.dir` that holds another run's checkpoints or log."""
+
+
+class ResumeConfigError(ValueError):
+    """The config of a resumed run differs from its checkpoint's in a way that changes the result."""
+
+
+class TrainerWarning(UserWarning):
+    """Something a run accepted that its user should know about (a config change, a dropped log line)."""
+
+
+# Config keys whose change on resume leaves the optimisation unchanged, with the reason.
+RESUME_SAFE_KEYS: dict[str, str] = {
+    "threads": "thread count; float sums may differ in the last bits",
+    "stop_after_minutes": "wall-clock guard",
+    "eval.every": "evaluation period",
+    "eval.batch_size": "evaluation batch size",
+    "checkpoint.dir": "run directory location",
+    "checkpoint.every": "checkpoint period",
+    "checkpoint.keep": "checkpoints kept",
+    "data.cache_dir": "token cache location",
+}
 
 
 def load_config(source: str | os.PathLike | dict) -> dict:
@@ -140,14 +191,6 @@ def lr_at(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> 
 # ----------------------------------------------------------------------------- data
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def iter_jsonl_texts(path: str | os.PathLike):
     """Yield the "text" of every line of a JSONL file; a bad line raises ValueError with its number."""
     with open(path, encoding="utf-8") as f:
@@ -179,7 +222,7 @@ def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | 
     if eos is None:
         raise ValueError("the tokenizer has no eos token (needed to separate documents)")
     tok_digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-    key = hashlib.sha256((_file_digest(jsonl) + tok_digest).encode()).hexdigest()[:16]
+    key = hashlib.sha256((sha256_file(jsonl) + tok_digest).encode()).hexdigest()[:16]
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     out = cache / f"{jsonl.stem}-{key}.u16"
@@ -378,25 +421,186 @@ def _append_log(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def read_log(path: str | os.PathLike) -> list[dict]:
+    """The records of a `log.jsonl`; every error names the file and line.
+
+    A last line without its newline that does not parse is what a crash mid-write leaves: it
+    is dropped with a `TrainerWarning`. Any other bad line is a `ValueError`.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"training log {path} is corrupt (not UTF-8): {exc}") from exc
+    lines = text.split("\n")
+    tail = lines.pop()  # "" when the file ends with a newline
+    records = []
+    for lineno, line in enumerate([*lines, tail], 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lineno == len(lines) + 1:
+                warnings.warn(
+                    f"{path}:{lineno}: dropping a partial last line ({len(line)} characters; "
+                    "the run stopped mid-write)",
+                    TrainerWarning,
+                    stacklevel=2,
+                )
+                continue
+            raise ValueError(f"{path}:{lineno}: invalid JSON in the training log: {exc}") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{lineno}: expected a log record with an integer 'step'")
+        records.append(record)
+    return records
+
+
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop log records after `step` (written by a run that died after its last checkpoint)."""
+    """Drop log records after `step` (written by a run that died after its last checkpoint).
+
+    The log is rewritten to a temporary file and renamed, so a crash here loses nothing.
+    """
     if not path.exists():
         return
-    kept = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [r for r in read_log(path) if r["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+def _flatten(cfg: dict) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def input_digests(data: dict, tokenizer: Any, train_token_file: Path) -> dict[str, str | None]:
+    """Content hashes of a run's inputs, stored in each checkpoint so resume compares content, not paths.
+
+    `tokenization` covers what the tokenizer contributes: the training token stream it produced
+    and its vocabulary size and special ids.
+    """
+    specials = [len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id]
+    return {
+        "train": sha256_file(data["train"]),
+        "heldout": sha256_file(data["heldout"]) if data["heldout"] else None,
+        "tokenization": hashlib.sha256(
+            json.dumps([sha256_file(train_token_file), *specials]).encode()
+        ).hexdigest(),
+    }
+
+
+def _content_check(key: str, old: dict, new: dict) -> bool | None:
+    """Whether input `key` kept its content; None when that cannot be told apart from data.train."""
+    if key == "data.train":
+        return old.get("train") == new["train"]
+    if key == "data.heldout":
+        return old.get("heldout") == new["heldout"]
+    if old.get("train") != new["train"]:
+        return None  # the token stream changed with the corpus; data.train already says so
+    return old.get("tokenization") == new["tokenization"]
+
+
+def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int, list[str]]:
+    """Compare a resumed run's config with its checkpoint's; return (max_steps, accepted changes).
+
+    Resuming is exact only when everything that shapes the computation is unchanged, so any
+    other difference raises `ResumeConfigError` naming every such key. Accepted: the keys in
+    `RESUME_SAFE_KEYS`; input files moved to another path with the same content (they are
+    compared by SHA-256, and a changed file is refused even under the same path); a raised
+    `schedule.max_steps`, which extends the run (the cosine schedule after the resumed step
+    follows the new total); and a changed `time_budget_minutes` once the budget was resolved.
+    """
+    old, new = _flatten(state.get("config") or {}), _flatten(cfg)
+    defaults = _flatten(DEFAULTS)
+    old_inputs = state.get("inputs")
+    step = state["step"]
+    refused: list[str] = []
+    accepted: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        if key in ("schedule.max_steps", "schedule.time_budget_minutes"):
+            continue
+        a, b = old.get(key, defaults.get(key, "<unset>")), new.get(key, defaults.get(key, "<unset>"))
+        if key in ("data.train", "data.heldout", "data.tokenizer") and old_inputs is not None:
+            same = _content_check(key, old_inputs, inputs)
+            if same is False:
+                refused.append(f"{key} (content changed: {a!r} -> {b!r})")
+            elif same and a != b:
+                accepted.append(f"{key}: {a!r} -> {b!r} (same content)")
+        elif a != b:
+            if key in RESUME_SAFE_KEYS:
+                accepted.append(f"{key}: {a!r} -> {b!r} ({RESUME_SAFE_KEYS[key]})")
+            else:
+                refused.append(f"{key} ({a!r} -> {b!r})")
+    if old_inputs is None:
+        accepted.append("the checkpoint predates input hashing: data files compared by path only")
+
+    stored_cfg_total = old.get("schedule.max_steps", new["schedule.max_steps"])
+    stored_total = state.get("max_steps", stored_cfg_total)
+    total = stored_total if new["schedule.max_steps"] == stored_cfg_total else new["schedule.max_steps"]
+    if total > stored_total:
+        accepted.append(
+            f"schedule.max_steps: {stored_total} -> {total} (the run continues to step {total}; the lr "
+            f"schedule after step {step} follows the new total)"
+        )
+    elif total < stored_total:
+        refused.append(
+            f"schedule.max_steps ({stored_total} -> {total}; to stop earlier, keep it and use --stop-at-step)"
+        )
+    budget_old = old.get("schedule.time_budget_minutes")
+    budget_new = new["schedule.time_budget_minutes"]
+    if budget_old != budget_new:
+        resolved = bool(budget_old) and "max_steps" in state and step >= _calibration_step(cfg)
+        if resolved:
+            accepted.append(
+                f"schedule.time_budget_minutes: {budget_old!r} -> {budget_new!r} (no effect: the budget "
+                f"was resolved to max_steps = {stored_total})"
+            )
+        else:
+            refused.append(f"schedule.time_budget_minutes ({budget_old!r} -> {budget_new!r})")
+    if refused:
+        raise ResumeConfigError(
+            f"--resume from {where}: the config differs from the checkpoint's in what changes the result: "
+            f"{'; '.join(refused)}. Restore these values, or start a new run in another checkpoint.dir "
+            "(or replace this one with --overwrite)"
+        )
+    return total, accepted
+
+
+def _calibration_step(cfg: dict) -> int:
+    """The step after which `time_budget_minutes` fixes max_steps (all in warmup)."""
+    return max(1, min(20, cfg["schedule"]["warmup_steps"]))
+
+
+def _run_artifacts(out_dir: Path) -> list[Path]:
+    """What a training run leaves in its directory: checkpoints (complete or not) and the log."""
+    log = out_dir / "log.jsonl"
+    return checkpoint_dirs(out_dir) + ([log] if log.exists() else [])
+
+
+def _last_good(out_dir: Path) -> str:
+    ckpt = latest_checkpoint(out_dir)
+    return f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint was saved yet"
 
 
 def train(
     config: str | os.PathLike | dict,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     stop_at_step: int | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Run (or resume) training as described by `config`; return the final step and checkpoint.
 
+    A fresh run needs a `checkpoint.dir` without another run's checkpoints or log, or
+    `overwrite=True`, which deletes them (once the data and model are set up). `resume=True`
+    continues the newest checkpoint after `resume_plan` accepted the config.
     `stop_at_step` ends the run after that step with a checkpoint, as if interrupted (used to
     test exact resume); the schedule still follows `schedule.max_steps`.
     """
@@ -413,12 +617,36 @@ def train(
         cfg["eval"],
         cfg["checkpoint"],
     )
+    if resume and overwrite:
+        raise ValueError(
+            "resume and overwrite exclude each other: resume continues the run, overwrite replaces it"
+        )
     out_dir = Path(ck["dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "log.jsonl"
+    ckpt = state = None
+    existing: list[Path] = []
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint found in {out_dir}")
+        state = read_state(ckpt)
+    else:
+        existing = _run_artifacts(out_dir)
+        if existing and not overwrite:
+            raise RunDirectoryNotEmptyError(
+                f"{out_dir} already holds a training run ({', '.join(p.name for p in existing[-3:])}); "
+                "continue it with --resume, train into another checkpoint.dir, or replace it with "
+                "--overwrite (deletes its checkpoints and log.jsonl)"
+            )
 
     tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
-    train_tokens = load_tokens(tokenize_to_file(data["train"], tokenizer, data["cache_dir"]))
+    train_file = tokenize_to_file(data["train"], tokenizer, data["cache_dir"])
+    train_tokens = load_tokens(train_file)
+    inputs = input_digests(data, tokenizer, train_file)
+    max_steps = sched["max_steps"]
+    accepted: list[str] = []
+    if resume:
+        max_steps, accepted = resume_plan(state, cfg, inputs, ckpt)
     sampler = WindowSampler(train_tokens, data["seq_len"], cfg["seed"])
     heldout = None
     if data["heldout"]:
@@ -454,23 +682,29 @@ def train(
 
     step = 0
     position = 0
-    max_steps = sched["max_steps"]
     budget = sched["time_budget_minutes"]
-    calibrate_at = max(1, min(20, sched["warmup_steps"])) if budget else None
+    calibrate_at = _calibration_step(cfg) if budget else None
     if resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint found in {out_dir}")
         state = load_checkpoint(ckpt, model, optimizer)
         step, position = state["step"], state["data_position"]
-        max_steps = state.get("max_steps", max_steps)
         if budget and step >= (calibrate_at or 0):
             calibrate_at = None  # already resolved by the interrupted run
         _truncate_log(log_path, step)
+        _append_log(log_path, {"kind": "resume", "step": step, "checkpoint": ckpt.name, "accepted": accepted})
+        if accepted:
+            warnings.warn(
+                f"--resume from {ckpt}: accepted config change(s): {'; '.join(accepted)}",
+                TrainerWarning,
+                stacklevel=2,
+            )
     else:
+        for old in existing:  # only with overwrite=True (checked above)
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        out_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg["seed"] + 1)  # training-time randomness (gate noise) after the init draw
-        if log_path.exists():
-            log_path.unlink()
 
     last_stop = max_steps if stop_at_step is None else min(max_steps, stop_at_step)
     start_step = step
@@ -491,13 +725,23 @@ def train(
         loss = out.loss
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
-                f"non-finite training loss ({loss.item()}) at step {step + 1}; stopping "
-                f"(last checkpoint: {latest_checkpoint(out_dir)})"
+                f"non-finite training loss ({loss.item()}) at step {step + 1}; stopping ({_last_good(out_dir)})"
             )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg["grad_clip"])
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteGradientError(
+                f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1} with a finite loss "
+                f"({loss.item():.6g}); the update was not applied ({_last_good(out_dir)})"
+            )
         optimizer.step()
+        bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:
+            raise NonFiniteTrainingError(
+                f"the update at step {step + 1} made {bad} NaN or infinite (finite loss and gradient; lr too "
+                f"high?); it is not saved ({_last_good(out_dir)})"
+            )
         step += 1
         position += bs
         tokens_run += bs * seq_len
@@ -542,16 +786,19 @@ def train(
         timed_out = deadline is not None and time.time() > deadline
         done = step == last_stop or timed_out
         if step % ck["every"] == 0 or done:
-            ckpt_path = save_checkpoint(
-                out_dir,
-                step=step,
-                model=model,
-                optimizer=optimizer,
-                data_position=position,
-                config=cfg,
-                extra={"max_steps": max_steps},
-                keep=ck["keep"],
-            )
+            try:
+                ckpt_path = save_checkpoint(
+                    out_dir,
+                    step=step,
+                    model=model,
+                    optimizer=optimizer,
+                    data_position=position,
+                    config=cfg,
+                    extra={"max_steps": max_steps, "inputs": inputs},
+                    keep=ck["keep"],
+                )
+            except NonFiniteCheckpointError as exc:
+                raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(out_dir)})") from exc
         if heldout is not None and (step % ev["every"] == 0 or done):
             last_eval = evaluate(model, heldout, ev["batch_size"])
             _append_log(log_path, {"kind": "eval", "step": step, **last_eval})
