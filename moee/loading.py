@@ -1,4 +1,9 @@
-"""Where a model loaded for large-model inference expects its inputs.
+"""Loading model weights (safetensors only), and where a loaded model expects its inputs.
+
+:func:`load_causal_lm` is the one place moee reads model weights. It passes
+``use_safetensors=True``: a pickled ``pytorch_model.bin`` can run code when it is unpickled, so a
+model that ships only pickle weights is refused with a clear error unless the caller opts in
+(``allow_pickle_weights=True``, CLI ``--allow-bin``) for a checkpoint they trust.
 
 With ``device_map`` (``"auto"`` or an explicit map), accelerate spreads a model over GPUs, the CPU
 and disk: offloaded weights sit on the ``meta`` device and are copied in by a hook just before
@@ -10,10 +15,56 @@ up, which is where ``input_ids``/``attention_mask`` must go.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["input_device"]
+__all__ = ["input_device", "load_causal_lm"]
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _pickle_only(path: Path) -> list[str]:
+    """Names of the pickle weight files of a local model directory that has no safetensors."""
+    if any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json")):
+        return []
+    return sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+
+
+def load_causal_lm(
+    name_or_path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    allow_pickle_weights: bool = False,
+    **hf_kwargs: Any,
+) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` with safetensors weights only (see module doc).
+
+    ``allow_pickle_weights=True`` lets transformers fall back to a ``.bin`` checkpoint; other
+    keywords (``dtype``, ``device_map``, ``quantization_config`` ...) pass through.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if "use_safetensors" in hf_kwargs:
+        raise ValueError("pass allow_pickle_weights=True instead of use_safetensors")
+    local = Path(name_or_path)
+    if not allow_pickle_weights and local.is_dir():
+        pickled = _pickle_only(local)
+        if pickled:
+            raise ValueError(
+                f"{local} has no safetensors weights, only pickle files ({', '.join(pickled)}); moee "
+                "loads safetensors only because unpickling can run code. If you trust this "
+                "checkpoint, pass allow_pickle_weights=True (CLI: --allow-bin), or convert it to "
+                "safetensors with save_pretrained"
+            )
+    return AutoModelForCausalLM.from_pretrained(
+        str(name_or_path),
+        trust_remote_code=trust_remote_code,
+        use_safetensors=None if allow_pickle_weights else True,
+        **hf_kwargs,
+    )
 
 
 def _execution_device(module: nn.Module) -> torch.device | None:

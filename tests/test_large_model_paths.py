@@ -9,6 +9,7 @@ too big for one device; every variant must give the rows the plain all-CPU model
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,3 +162,32 @@ def test_four_bit_loading_on_gpu(saved_model):
     out = embedder.encode(TEXTS)
     assert np.isfinite(out).all()
     assert (out * expected["moee_sum"]).sum(axis=1).min() > 0.9
+
+
+def _pickle_only_copy(saved: Path, dest: Path) -> Path:
+    """The saved model with its weights as a pickled ``pytorch_model.bin`` only (no safetensors)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(saved, dest)
+    torch.save(load_file(dest / "model.safetensors"), dest / "pytorch_model.bin")
+    (dest / "model.safetensors").unlink()
+    return dest
+
+
+def test_pickle_weights_are_refused_unless_allowed(saved_model, tmp_path, capsys):
+    from moee.cli import main
+
+    path, expected = saved_model
+    bin_only = _pickle_only_copy(path, tmp_path / "bin-only")
+    with pytest.raises(ValueError, match=r"bin-only has no safetensors weights, .*allow_pickle_weights=True"):
+        MoEEmbedder.from_pretrained(bin_only, device="cpu")
+    emb = MoEEmbedder.from_pretrained(bin_only, device="cpu", allow_pickle_weights=True)
+    np.testing.assert_allclose(emb.encode(TEXTS), expected["moee_sum"], atol=1e-6)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS) + "\n")
+    argv = ["embed", str(corpus), "--model", str(bin_only), "--out", str(tmp_path / "e.npy")]
+    assert main(argv) == 2
+    assert "--allow-bin" in capsys.readouterr().err and not (tmp_path / "e.npy").exists()
+    assert main([*argv, "--allow-bin"]) == 0

@@ -56,6 +56,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow custom modeling code from the model repository (off by default: it runs arbitrary code)",
     )
+    parser.add_argument(
+        "--allow-bin",
+        action="store_true",
+        help="also load pickled .bin weights (off by default: unpickling can run code; safetensors only)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -141,6 +146,7 @@ def load_embedder(
     trust_remote_code: bool,
     device_map: str | None = None,
     load_in_4bit: bool = False,
+    allow_pickle_weights: bool = False,
 ) -> Any:
     """The one place the CLI loads a model; options pass through to transformers."""
     from moee.embed.embedder import MoEEmbedder
@@ -153,7 +159,12 @@ def load_embedder(
     if load_in_4bit:
         hf_kwargs["quantization_config"] = four_bit_config()
     return MoEEmbedder.from_pretrained(
-        model, device=device, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code, **hf_kwargs
+        model,
+        device=device,
+        dtype=parse_dtype(dtype),
+        trust_remote_code=trust_remote_code,
+        allow_pickle_weights=allow_pickle_weights,
+        **hf_kwargs,
     )
 
 
@@ -183,6 +194,7 @@ def load_from_args(args: argparse.Namespace, *, device: str | None = None, dtype
         trust_remote_code=args.trust_remote_code,
         device_map=args.device_map,
         load_in_4bit=args.load_in_4bit,
+        allow_pickle_weights=args.allow_bin,
     )
 
 

@@ -183,14 +183,17 @@ class MoEEmbedder:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
+        allow_pickle_weights: bool = False,
         **hf_kwargs: Any,
     ) -> MoEEmbedder:
         """Load a causal LM and its tokenizer with transformers (``dtype``, ``device_map`` and any
-        other keyword are passed through). ``None`` loads the bundled default model."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        other keyword are passed through). ``None`` loads the bundled default model. Weights load
+        from safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`)."""
+        from transformers import AutoTokenizer
 
         import moee.moe.lm  # noqa: F401  (registers model_type "moee_lm" with the Auto classes)
         import moee.moe.upcycled  # noqa: F401  (registers "moee_upcycled", see moee upcycle)
+        from moee.loading import load_causal_lm
 
         if device is not None and "device_map" in hf_kwargs:
             raise ValueError("pass either device or device_map, not both")
@@ -204,8 +207,11 @@ class MoEEmbedder:
         name_or_path = str(name_or_path)
         if dtype is not None:
             hf_kwargs["dtype"] = dtype
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, trust_remote_code=trust_remote_code, **hf_kwargs
+        model = load_causal_lm(
+            name_or_path,
+            trust_remote_code=trust_remote_code,
+            allow_pickle_weights=allow_pickle_weights,
+            **hf_kwargs,
         )
         if "device_map" not in hf_kwargs:
             model.to(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
