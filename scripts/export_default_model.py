@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
+    # declare the context the model was trained on (RoPE: no position table, so no weight changes)
+    model.config.max_position_embeddings = tokenizer.model_max_length = data["seq_len"]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

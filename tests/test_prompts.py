@@ -1,5 +1,6 @@
 """Prompt rendering: exact strings, the official text handling, and name/template resolution."""
 
+import numpy as np
 import pytest
 
 from moee.embed.prompts import (
@@ -11,6 +12,7 @@ from moee.embed.prompts import (
     render_prompt,
     render_prompts,
     resolve_prompt,
+    tokenize_prompts,
 )
 
 
@@ -140,3 +142,92 @@ def test_braces_elsewhere_are_safe():
 def test_render_prompts_matches_render_prompt():
     texts = ["one", 'two "2"', "three?"]
     assert render_prompts(texts, "prompteol") == [render_prompt(t, "prompteol") for t in texts]
+
+
+# --------------------------------------------------------------------------- truncation
+
+#: PromptEOL's words as single tokens of the tiny word-level tokenizer, so the template is visible in ids.
+_EOL_WORDS = ("This", "sentence", ":", "means", "in", "one", 'word:"')
+BODY = " ".join(["the", "cat", "sat", "on", "a", "big", "red", "mat", "under", "the", "sun"] * 4)  # 44 words
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from moee.capture.tiny import TINY_WORDS, tiny_model, tiny_tokenizer
+    from moee.embed.embedder import MoEEmbedder
+
+    tok = tiny_tokenizer((*TINY_WORDS, *_EOL_WORDS))
+    return MoEEmbedder(tiny_model("olmoe", n_layers=2), tok, max_length=16)
+
+
+def _ids(emb, texts, prompt):
+    return [r.input_ids.tolist() for r in emb.iter_token_routes(texts, prompt=prompt)]
+
+
+def _hand_cut(emb, text: str, prompt: str | None) -> str:
+    """The longest word prefix of ``text`` whose rendered prompt fits, found the slow way."""
+    words = text.split()
+    for n in range(len(words), -1, -1):
+        cut = " ".join(words[:n])
+        ids = emb.tokenizer(render_prompt(cut, prompt), add_special_tokens=True)["input_ids"]
+        if len(ids) <= emb.max_length:
+            return cut
+    raise AssertionError("nothing fits")
+
+
+def test_truncation_keeps_the_prompteol_template_and_its_last_token(tiny):
+    """A long text under PromptEOL loses words of its own, never `means in one word:"`: its ids,
+    and so its pooled last token and its HS, are those of the text cut by hand."""
+    with pytest.warns(UserWarning, match=r"1 of 2 texts were longer than 16 tokens.* cut on the right by"):
+        (long_ids, short_ids) = _ids(tiny, [BODY, "the cat"], "prompteol")
+    cut = _hand_cut(tiny, BODY, "prompteol")
+    assert BODY.startswith(cut) and len(cut.split()) < len(BODY.split())
+    (expected,) = _ids(tiny, [cut], "prompteol")
+    assert long_ids == expected and len(long_ids) == 16
+    vocab = tiny.tokenizer.get_vocab()
+    tail = [vocab[w] for w in ("means", "in", "one", 'word:"')]
+    assert long_ids[-4:] == tail == short_ids[-4:]  # the pooled token is the template's last one
+    with pytest.warns(UserWarning, match="prompt template kept whole"):
+        hs_long = tiny.encode([BODY], method="hs", prompt="prompteol")
+    hs_cut = tiny.encode([cut], method="hs", prompt="prompteol")
+    np.testing.assert_allclose(hs_long, hs_cut, atol=1e-6)
+
+
+def test_truncation_without_prompt_and_on_the_left(tiny):
+    with pytest.warns(UserWarning, match="cut on the right by 28-28 tokens"):
+        (ids,) = _ids(tiny, [BODY], None)
+    assert ids == _ids(tiny, [" ".join(BODY.split()[:16])], None)[0]
+    tiny.tokenizer.truncation_side = "left"
+    try:
+        with pytest.warns(UserWarning, match="cut on the left"):
+            (left,) = _ids(tiny, [BODY], "prompteol")
+    finally:
+        tiny.tokenizer.truncation_side = "right"
+    kept = " ".join(BODY.split()[-(16 - 7) :])  # the text's end, inside the whole template
+    assert left == _ids(tiny, [kept], "prompteol")[0]
+
+
+def test_tokenize_prompts_counts_the_cut_and_rejects_a_template_too_long(tiny):
+    ids, cut = tokenize_prompts(tiny.tokenizer, [BODY, "the cat", ""], "prompteol", 16)
+    assert [len(i) for i in ids] == [16, 9, 8] and cut == [44 + 7 - 16, 0, 0]  # "" is a token here
+    with pytest.raises(ValueError, match="with an empty text is 8 tokens, more than the maximum length 5"):
+        tokenize_prompts(tiny.tokenizer, [BODY], "prompteol", 5)
+    with pytest.raises(ValueError, match="truncation side"):
+        tokenize_prompts(tiny.tokenizer, [BODY], None, 5, side="middle")
+
+
+def test_long_texts_under_prompteol_with_the_bundled_model():
+    """The bundled model declares the 256-token context it was trained on, and a long real text cut
+    to it under PromptEOL still ends with the template (byte-level BPE: offsets, merges)."""
+    from moee.data.offline import load_task_data
+    from moee.embed.embedder import MoEEmbedder
+
+    emb = MoEEmbedder.from_pretrained(None, device="cpu")
+    assert emb.max_length == 256
+    assert emb.model.config.max_position_embeddings == 256 and emb.tokenizer.model_max_length == 256
+    text = " ".join(r["text"] for r in load_task_data("reuters_classification")["test"][:3])
+    with pytest.warns(UserWarning, match="1 of 2 texts were longer than 256 tokens"):
+        (long_ids, short_ids) = _ids(emb, [text, "Wheat prices rose"], "prompteol")
+    tail = emb.tokenizer(' means in one word:"', add_special_tokens=False)["input_ids"]
+    assert len(long_ids) <= 256 and long_ids[-len(tail) :] == short_ids[-len(tail) :]
+    assert emb.tokenizer.decode(long_ids).endswith('." means in one word:"')

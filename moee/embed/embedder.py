@@ -20,7 +20,10 @@ Deliberate behaviour:
   row is a well-defined, text-independent vector. With a prompt, ``""`` is just the prompt.
 * **Long texts** are truncated to the model's maximum length (the smaller of the tokenizer's
   ``model_max_length`` and the config's ``max_position_embeddings``) on the tokenizer's
-  ``truncation_side`` (right by default), with one warning saying how many texts were truncated.
+  ``truncation_side`` (right by default). Only the text is cut, never the prompt template or the
+  special tokens (``moee.embed.prompts.tokenize_prompts``), so the pooled last token of a long
+  PromptEOL text is still the template's; one warning says how many texts were cut and by how
+  many tokens.
 * No row is ever dropped or reordered.
 * **Threads** may share an embedder (or several embedders of one model): each traced forward holds
   the model's lock (:func:`model_lock`), so concurrent calls run one at a time and return exactly
@@ -46,7 +49,7 @@ from torch import nn
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import backbone, find_routers
 from moee.embed.methods import METHODS, POOLINGS, SCORES, combine, output_dim
-from moee.embed.prompts import render_prompts, resolve_prompt
+from moee.embed.prompts import resolve_prompt, tokenize_prompts
 from moee.embed.validation import check_alpha, check_choice, check_positive_int, check_texts
 
 __all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
@@ -261,25 +264,20 @@ class MoEEmbedder:
         return output_dim(method, self.hidden_size, self.n_moe_layers, self.n_experts)
 
     # ------------------------------------------------------------------ tokenization and batching
-    def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+    def _tokenize(self, texts: Sequence[str], template: str | None = None) -> list[list[int]]:
+        """Ids of ``texts`` rendered with ``template``; a long text is cut inside the template."""
         if not texts:
             return []
-        encoded = self.tokenizer(
-            list(texts), add_special_tokens=True, truncation=False, return_attention_mask=False, verbose=False
-        )["input_ids"]
-        n_long = 0
-        side = getattr(self.tokenizer, "truncation_side", "right")
-        out = []
-        for ids in encoded:
-            ids = list(ids)
-            if len(ids) > self.max_length:
-                n_long += 1
-                ids = ids[: self.max_length] if side != "left" else ids[-self.max_length :]
-            out.append(ids or list(self._empty_ids))
+        side = "left" if getattr(self.tokenizer, "truncation_side", "right") == "left" else "right"
+        encoded, cut = tokenize_prompts(self.tokenizer, texts, template, self.max_length, side=side)
+        out = [ids or list(self._empty_ids) for ids in encoded]
+        n_long = sum(1 for c in cut if c)
         if n_long:
+            lost = [c for c in cut if c]
             warnings.warn(
-                f"{n_long} of {len(out)} texts were longer than {self.max_length} tokens and were "
-                f"truncated ({side} side)",
+                f"{n_long} of {len(out)} texts were longer than {self.max_length} tokens: their text was "
+                f"cut on the {side} by {min(lost)}-{max(lost)} tokens ({sum(lost)} in all), "
+                + ("the prompt template kept whole" if template is not None else "special tokens kept"),
                 stacklevel=3,
             )
         return out
@@ -332,7 +330,7 @@ class MoEEmbedder:
         hs = np.zeros((n, self.hidden_size), dtype=np.float32)
         hs_all = None
         with self._lock:  # a fast tokenizer's settings are shared state too
-            seqs = self._tokenize(render_prompts(texts, template))
+            seqs = self._tokenize(texts, template)
         order = sorted(range(n), key=lambda i: -len(seqs[i]))  # longest first: memory errors show early
         with (
             self._lock,
@@ -423,7 +421,7 @@ class MoEEmbedder:
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]
             with self._lock:
-                seqs = self._tokenize(render_prompts(chunk, template))
+                seqs = self._tokenize(chunk, template)
             batch = self._batch_tensors(seqs)
             # Hooks live for one batch only, so nothing stays installed while the caller holds
             # the generator between items.

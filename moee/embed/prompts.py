@@ -18,9 +18,19 @@ Deliberate difference: the official code also replaces every ``_`` in the render
 by a space, which silently alters texts (identifiers, URLs); we do not.
 
 With ``prompt=None`` the text is embedded exactly as given (no stripping, no punctuation).
+
+Truncation (``tokenize_prompts``) cuts the *text*, never the template: a text whose rendered
+prompt is longer than the model's maximum length is shortened at a token boundary of the text
+until the rendered prompt fits, so PromptEOL's closing ``means in one word:"`` (whose last token
+is the one pooled) survives. The result is exactly the tokenization of the template rendered
+around the shortened text; special tokens the tokenizer adds are kept as well.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 PLACEHOLDER = "{text}"
 
@@ -113,3 +123,100 @@ def render_prompts(texts: list[str], prompt: str | None) -> list[str]:
     if template is None:
         return list(texts)
     return [template.replace(PLACEHOLDER, prepare_text(t)) for t in texts]
+
+
+def _ids(tokenizer: Any, strings: list[str]) -> list[list[int]]:
+    """Token ids with the tokenizer's special tokens, nothing truncated."""
+    out = tokenizer(
+        strings, add_special_tokens=True, truncation=False, return_attention_mask=False, verbose=False
+    )["input_ids"]
+    return [list(ids) for ids in out]
+
+
+def _cut_points(tokenizer: Any, text: str, side: str) -> list[int]:
+    """Character positions where ``text`` may be cut: its token boundaries (word boundaries for a
+    tokenizer without offsets). Right side: ends of tokens; left side: starts, last first."""
+    try:
+        spans = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)[
+            "offset_mapping"
+        ]
+    except (NotImplementedError, TypeError, ValueError, KeyError):  # a tokenizer without offsets
+        spans = [m.span() for m in re.finditer(r"\S+", text)]
+    spans = [(int(a), int(b)) for a, b in spans if b > a]
+    if side == "left":
+        return sorted({a for a, _ in spans}, reverse=True)
+    return sorted({b for _, b in spans})
+
+
+def _largest_fitting(fits: Callable[[int], bool], n: int, guess: int) -> int:
+    """The largest ``i`` in ``[0, n)`` with ``fits(i)`` (``fits`` falls with ``i``; ``fits(n)`` is
+    known to be false), or -1; a search that starts at ``guess`` and widens its steps."""
+    g = min(max(guess, 0), n - 1)
+    if fits(g):
+        lo, step = g, 1
+        while lo + step < n and fits(lo + step):
+            lo += step
+            step *= 2
+        hi = min(lo + step, n)
+    else:
+        hi, step = g, 1
+        while hi - step >= 0 and not fits(hi - step):
+            hi -= step
+            step *= 2
+        lo = max(hi - step, -1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def tokenize_prompts(
+    tokenizer: Any,
+    texts: Sequence[str],
+    prompt: str | None,
+    max_length: int,
+    *,
+    side: str = "right",
+) -> tuple[list[list[int]], list[int]]:
+    """Token ids of every text rendered with ``prompt``, each at most ``max_length`` long.
+
+    A too long text is cut on ``side`` (``right`` keeps its beginning, ``left`` its end) at one of
+    its token boundaries, as little as possible, and the template is rendered around what is left
+    (see the module docstring), so the template and the special tokens are never cut. Returns the
+    ids and, per text, how many tokens the cut removed (0 for texts that fit). Raises
+    ``ValueError`` when the template alone (with an empty text) is longer than ``max_length``.
+    """
+    if side not in ("right", "left"):
+        raise ValueError(f"truncation side must be 'right' or 'left', got {side!r}")
+    template = resolve_prompt(prompt)
+    texts = list(texts)
+    out = _ids(tokenizer, render_prompts(texts, template)) if texts else []
+    cut = [0] * len(out)
+    for i, ids in enumerate(out):
+        if len(ids) <= max_length:
+            continue
+        text = texts[i]
+        points = _cut_points(tokenizer, text, side)
+        pieces = [text[:p] if side == "right" else text[p:] for p in points]
+        pieces = [
+            "",
+            *[p for p in pieces if p != text],
+        ]  # pieces[k]: k cut points kept; the whole text is too long
+        tried: dict[int, list[int]] = {}
+
+        def fits(k: int, pieces: list[str] = pieces, tried: dict[int, list[int]] = tried) -> bool:
+            if k not in tried:
+                tried[k] = _ids(tokenizer, [render_prompt(pieces[k], template)])[0]
+            return len(tried[k]) <= max_length
+
+        keep = _largest_fitting(fits, len(pieces), len(pieces) - (len(ids) - max_length))
+        if keep < 0:
+            raise ValueError(
+                f"the prompt {prompt!r} with an empty text is {len(tried[0])} tokens, more than the maximum "
+                f"length {max_length}: no text would fit"
+            )
+        out[i], cut[i] = tried[keep], len(ids) - len(tried[keep])
+    return out, cut
