@@ -478,3 +478,23 @@ def test_corrupt_log_line_is_an_error_naming_the_file(corpus, tmp_path):
     log.write_text(lines[0] + "{garbage\n" + "".join(lines[1:]))
     with pytest.raises(ValueError, match=r"log.jsonl:2"):
         train(cfg, resume=True, progress=False)
+
+
+def test_resuming_a_finished_run_reports_its_final_state(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path)
+    full = train(cfg, progress=False)
+    again = train(cfg, resume=True, progress=False)
+    assert again.step == 6 and again.checkpoint == full.checkpoint and again.last_eval == full.last_eval
+
+
+def test_resume_accepts_a_new_declared_context_length(corpus, tmp_path):
+    """max_position_embeddings changes no computation (RoPE is computed on the fly); it must cover seq_len."""
+    cfg = tiny_cfg(corpus, tmp_path)
+    cfg["model"]["max_position_embeddings"] = 64
+    train(cfg, stop_at_step=3, progress=False)
+    cfg["model"]["max_position_embeddings"] = 16
+    with pytest.warns(UserWarning, match="model.max_position_embeddings"):
+        assert train(cfg, resume=True, progress=False).step == 6
+    cfg["model"]["max_position_embeddings"] = 8
+    with pytest.raises(ValueError, match="max_position_embeddings 8 < data.seq_len 16"):
+        load_config(cfg)

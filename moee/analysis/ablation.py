@@ -135,6 +135,7 @@ def run_ablation(
     so an interrupted ablation continues where it stopped.
     """
     weights = _check_weights(weights)
+    from moee.moe.checkpoint import latest_checkpoint
     from moee.moe.trainer import train
 
     out = Path(out_dir)
@@ -152,7 +153,9 @@ def run_ablation(
             continue
         cfg = ablation_config(base_config, wi, wl, run_dir)
         t0 = time.time()
-        result = train(cfg, progress=progress)
+        # an interrupted run continues from its checkpoint; reuse=False retrains it from scratch
+        resume = reuse and latest_checkpoint(run_dir) is not None
+        result = train(cfg, progress=progress, resume=resume, overwrite=not resume)
         if result.last_eval is None:
             raise ValueError("the ablation config needs data.heldout so every run ends with an evaluation")
         row = {

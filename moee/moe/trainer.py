@@ -128,6 +128,7 @@ RESUME_SAFE_KEYS: dict[str, str] = {
     "checkpoint.every": "checkpoint period",
     "checkpoint.keep": "checkpoints kept",
     "data.cache_dir": "token cache location",
+    "model.max_position_embeddings": "declared context length (>= data.seq_len); RoPE keeps no table",
 }
 
 
@@ -172,6 +173,11 @@ def load_config(source: str | os.PathLike | dict) -> dict:
         value = cfg[section][key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{origin}: {section}.{key} must be a positive integer, got {value!r}")
+    max_pos = cfg["model"].get("max_position_embeddings")
+    if max_pos is not None and max_pos < cfg["data"]["seq_len"]:
+        raise ValueError(
+            f"{origin}: model.max_position_embeddings {max_pos} < data.seq_len {cfg['data']['seq_len']}"
+        )
     if not cfg["optim"]["lr"] > 0:
         raise ValueError(f"{origin}: optim.lr must be > 0")
     if cfg["schedule"]["warmup_steps"] < 0 or not 0 <= cfg["schedule"]["min_lr_ratio"] <= 1:
@@ -456,17 +462,19 @@ def read_log(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def _truncate_log(path: Path, step: int) -> None:
+def _truncate_log(path: Path, step: int) -> list[dict]:
     """Drop log records after `step` (written by a run that died after its last checkpoint).
 
     The log is rewritten to a temporary file and renamed, so a crash here loses nothing.
+    Returns the records kept.
     """
     if not path.exists():
-        return
+        return []
     kept = [r for r in read_log(path) if r["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
+    return kept
 
 
 def _flatten(cfg: dict) -> dict[str, Any]:
@@ -689,7 +697,7 @@ def train(
         step, position = state["step"], state["data_position"]
         if budget and step >= (calibrate_at or 0):
             calibrate_at = None  # already resolved by the interrupted run
-        _truncate_log(log_path, step)
+        previous = _truncate_log(log_path, step)
         _append_log(log_path, {"kind": "resume", "step": step, "checkpoint": ckpt.name, "accepted": accepted})
         if accepted:
             warnings.warn(
@@ -712,6 +720,11 @@ def train(
     deadline = time.time() + 60 * cfg["stop_after_minutes"] if cfg["stop_after_minutes"] else None
     last_eval = None
     ckpt_path = None
+    if resume:  # what the checkpoint reached, in case there is nothing left to train
+        ckpt_path = ckpt
+        evals = [r for r in previous if r.get("kind") == "eval" and r["step"] == step]
+        if evals:
+            last_eval = {k: v for k, v in evals[-1].items() if k not in ("kind", "step")}
     t_start = time.time()
     tokens_run = 0
     bar = tqdm(total=max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="train")
