@@ -6,8 +6,9 @@ every MoEE method is built for. ``metric="ip"`` keeps raw inner products.
 
 Ids are row positions in the order vectors were added (0, 1, ...), so they index directly
 into the embeddings/texts files. ``save`` writes the faiss index with ``faiss.write_index``
-plus a JSON sidecar (``<path>.json``: kind, dim, count, metric, nlist, nprobe) that ``load``
-checks, so a truncated or mismatched pair is reported instead of silently searched.
+plus a JSON sidecar (``<path>.json``: kind, dim, count, metric, nlist, nprobe and the SHA-256 of
+the index file), committed as a pair (``moee.io.commit_with_sidecar``); ``load`` checks both, so a
+truncated, corrupted or mismatched pair is reported instead of silently searched.
 
 The GPU is used when the GPU build of faiss is installed and a GPU is visible
 (``device="auto"``); ``device="cpu"``/``"gpu"`` force a choice.
@@ -23,14 +24,14 @@ import faiss
 import numpy as np
 
 from moee.embed.validation import check_choice, check_positive_int
-from moee.io import sidecar_path, write_json_atomic
+from moee.io import check_input_file, commit_with_sidecar, file_sha256, sidecar_path
 
 KINDS = ("flat", "ivf")
 METRICS = ("cosine", "ip")
 DEVICES = ("auto", "cpu", "gpu")
 #: faiss GPU indexes cannot return more neighbours than this per query.
 GPU_MAX_K = 2048
-SIDECAR_FORMAT = "moee-index/1"
+SIDECAR_FORMAT = "moee-index/2"
 
 
 def gpu_available() -> bool:
@@ -230,7 +231,8 @@ class VectorIndex:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         cpu_index = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
-        faiss.write_index(cpu_index, str(path))
+        partial = path.with_name(path.name + ".partial")
+        faiss.write_index(cpu_index, str(partial))
         meta = {
             "format": SIDECAR_FORMAT,
             "kind": self.kind,
@@ -240,22 +242,31 @@ class VectorIndex:
             "nlist": self.nlist,
             "nprobe": self.nprobe,
             "faiss": faiss.__version__,
+            "sha256": file_sha256(partial),
         }
-        write_json_atomic(sidecar_path(path), meta)
-        return path
+        return commit_with_sidecar(partial, path, meta)
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "auto", nprobe: int | None = None) -> VectorIndex:
         """Read an index written by ``save`` (both files must exist and agree)."""
-        path = Path(path)
+        path = check_input_file(path, "index file")
         sidecar = sidecar_path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no index file at {path}")
         if not sidecar.is_file():
             raise FileNotFoundError(f"index sidecar {sidecar} is missing (written by VectorIndex.save)")
-        meta = json.loads(sidecar.read_text())
-        if meta.get("format") != SIDECAR_FORMAT:
-            raise ValueError(f"{sidecar} is not a moee index sidecar (format {meta.get('format')!r})")
+        try:
+            meta = json.loads(sidecar.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{sidecar} is not valid JSON ({exc}); save the index again") from None
+        if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(
+                f"{sidecar} is not a moee index sidecar (format {found!r}); save the index again"
+            )
+        if file_sha256(path) != meta.get("sha256"):
+            raise ValueError(
+                f"{path} does not match its sidecar (checksum differs): the index file is corrupted or "
+                "was replaced; rebuild it"
+            )
         raw = faiss.read_index(str(path))
         if raw.d != meta["dim"] or raw.ntotal != meta["count"]:
             raise ValueError(

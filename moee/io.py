@@ -19,7 +19,7 @@ the SHA-256 of the array data (``data_sha256``), library versions, command line 
 ``EmbeddingWriter`` appends rows as they are computed and writes the final ``.npy`` header on
 close, so output size is not bounded by memory either.
 
-The pair is committed together (:func:`commit_embeddings`): the sidecar is written under a
+The pair is committed together (:func:`commit_with_sidecar`, also used for saved indexes): the sidecar is written under a
 temporary name, the old sidecar removed, then the array and the sidecar renamed into place. A
 crash at any point leaves either the old pair, or an array without a sidecar (an error on read),
 never new rows described by old settings; ``read_embeddings`` checks the content hash, so a
@@ -53,6 +53,16 @@ _HASH_BLOCK = 1 << 24  # bytes read at a time when hashing a file
 # ----------------------------------------------------------------------------------------
 # reading texts
 # ----------------------------------------------------------------------------------------
+def check_input_file(path: str | Path, what: str) -> Path:
+    """``path`` if it is an existing file; a directory or a missing path is an error saying which."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {path} is a directory, not a {path.suffix or 'regular'} file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    return path
+
+
 def input_format(path: str | Path) -> str:
     """``"txt"``, ``"jsonl"`` or ``"parquet"`` from the file suffix, else ``ValueError``."""
     suffix = Path(path).suffix.lower()
@@ -76,8 +86,7 @@ def read_texts(path: str | Path, *, field: str | None = None) -> Iterator[str]:
     """
     path = Path(path)
     fmt = input_format(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"input file not found: {path}")
+    check_input_file(path, "input file")
     if fmt == "txt":
         if field is not None:
             raise ValueError(f"--field/field applies to .jsonl and .parquet inputs, not {path.name}")
@@ -246,8 +255,8 @@ def npy_data_offset(path: str | Path) -> int:
         return f.tell()
 
 
-def commit_embeddings(partial: str | Path, path: str | Path, metadata: dict[str, Any]) -> Path:
-    """Move a finished ``partial`` .npy to ``path`` together with its sidecar ``metadata``.
+def commit_with_sidecar(partial: str | Path, path: str | Path, metadata: dict[str, Any]) -> Path:
+    """Move a finished ``partial`` file to ``path`` together with its JSON sidecar ``metadata``.
 
     Order: sidecar to a temporary file, old sidecar removed, array renamed, sidecar renamed. A crash
     in between leaves an array without a sidecar (refused on read), never a stale pairing.
@@ -286,7 +295,7 @@ class EmbeddingWriter:
     """Append float32 rows to ``path`` (.npy) as they are computed; ``close`` finalises.
 
     Rows go to ``<path>.partial`` and the file is committed with its sidecar (see
-    :func:`commit_embeddings`) only on a successful ``close``: an existing ``path`` with its
+    :func:`commit_with_sidecar`) only on a successful ``close``: an existing ``path`` with its
     sidecar is always complete, which is what resuming a crashed sharded run relies on. The data
     is hashed as it is written, so the sidecar's ``data_sha256`` costs no second read.
     """
@@ -324,7 +333,7 @@ class EmbeddingWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         meta = sidecar_metadata(metadata, (self.rows, self.dim or 0), self._digest.hexdigest())
-        return commit_embeddings(self.partial, self.path, meta)
+        return commit_with_sidecar(self.partial, self.path, meta)
 
     def abort(self) -> None:
         """Discard a partial file (after an error)."""
@@ -419,9 +428,7 @@ def read_embeddings(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Load ``(embeddings, metadata)``; never unpickles, checks the sidecar's shape and (``verify``,
     one extra read of the file) size and content hash."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"embeddings file not found: {path}")
+    path = check_input_file(path, "embeddings file")
     meta = read_metadata(path)
     if verify:
         check_embeddings_file(path, meta)
@@ -446,7 +453,8 @@ __all__ = [
     "EmbeddingWriter",
     "batched",
     "check_embeddings_file",
-    "commit_embeddings",
+    "check_input_file",
+    "commit_with_sidecar",
     "file_sha256",
     "npy_data_offset",
     "sidecar_metadata",

@@ -40,7 +40,7 @@ from moee.io import (
     EmbeddingWriter,
     batched,
     check_embeddings_file,
-    commit_embeddings,
+    commit_with_sidecar,
     file_sha256,
     npy_data_offset,
     npy_shape,
@@ -361,4 +361,4 @@ def merge_shards(
         },
     }
     sha = file_sha256(partial, offset=npy_data_offset(partial))
-    return commit_embeddings(partial, out_path, sidecar_metadata(meta, (n, dim), sha))
+    return commit_with_sidecar(partial, out_path, sidecar_metadata(meta, (n, dim), sha))

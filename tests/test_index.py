@@ -111,7 +111,7 @@ def test_save_load_roundtrip(tmp_path, data):
 
 def test_load_errors(tmp_path, data):
     base, _ = data
-    with pytest.raises(FileNotFoundError, match="no index file"):
+    with pytest.raises(FileNotFoundError, match="index file not found"):
         VectorIndex.load(tmp_path / "missing.faiss")
     path = VectorIndex.build(base[:10], device="cpu").save(tmp_path / "x.faiss")
     sidecar = tmp_path / "x.faiss.json"
@@ -166,3 +166,17 @@ def test_chunked_build_from_memmap(tmp_path, data):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="cannot train an IVF index on 0 vectors"):
         VectorIndex.build(base[:0], kind="ivf", device="cpu")
+
+
+def test_a_corrupted_index_file_is_refused(tmp_path, data):
+    x, _ = data
+    index = VectorIndex.build(x[:50])
+    path = index.save(tmp_path / "i.faiss")
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF  # one flipped byte inside the stored vectors: faiss still reads the file
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"i.faiss does not match its sidecar \(checksum"):
+        VectorIndex.load(path)
+    (tmp_path / "d.faiss").mkdir()
+    with pytest.raises(IsADirectoryError, match="d.faiss is a directory"):
+        VectorIndex.load(tmp_path / "d.faiss")

@@ -218,3 +218,12 @@ def test_model_dtype_and_array_dtype_are_separate_fields(tmp_path):
     meta = read_metadata(path)
     assert meta["model_dtype"] == "bfloat16" and meta["array_dtype"] == "float32"
     assert "dtype" not in meta
+
+
+def test_a_directory_named_like_a_file_is_reported_as_a_directory(tmp_path):
+    (tmp_path / "corpus.txt").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"corpus.txt is a directory, not a \.txt file"):
+        read_texts(tmp_path / "corpus.txt")
+    (tmp_path / "e.npy").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"e.npy is a directory"):
+        read_embeddings(tmp_path / "e.npy")

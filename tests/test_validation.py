@@ -73,3 +73,11 @@ def test_check_positive_int():
         check_positive_int("k", 0)
     with pytest.raises(TypeError, match="batch_size must be an int"):
         check_positive_int("batch_size", 2.0)
+
+
+def test_check_texts_names_a_lone_surrogate():
+    """A lone surrogate (e.g. from a bad decode with errors='surrogateescape') cannot be encoded as
+    UTF-8, so the tokenizer would fail without saying which row."""
+    with pytest.raises(ValueError, match=r"texts\[2\] contains a lone surrogate U\+DC80 at character 3"):
+        check_texts(["ok", "fine é", "abc\udc80def"])
+    assert check_texts(["emoji 🙂 ok"]) == ["emoji 🙂 ok"]

@@ -22,7 +22,8 @@ def check_texts(texts: Any) -> list[str]:
     and generators are rejected, since they could be consumed only once. A bare ``str``/``bytes`` is
     rejected instead of being split into characters; ``None`` and non-str items are rejected
     with their index, because silently skipping them would shift every later row.
-    Empty strings are allowed (they are legitimate, if uninformative, inputs).
+    Empty strings are allowed (they are legitimate, if uninformative, inputs). A text that
+    cannot be encoded as UTF-8 (a lone surrogate) is rejected with its index and position.
     """
     if isinstance(texts, (str, bytes, bytearray)):
         raise TypeError(
@@ -41,7 +42,21 @@ def check_texts(texts: Any) -> list[str]:
             raise TypeError(f"texts[{i}] is None; every item must be a str")
         if not isinstance(item, str):
             raise TypeError(f"texts[{i}] must be a str, got {type(item).__name__}")
+        if not item.isascii():
+            _check_encodable(i, item)
     return out
+
+
+def _check_encodable(i: int, text: str) -> None:
+    """A lone surrogate (e.g. from ``errors="surrogateescape"``) has no UTF-8 form, so a tokenizer
+    fails on it without naming the row; name it here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"texts[{i}] contains a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}; "
+            "it is not valid Unicode text (decode the input with errors='replace' or fix it)"
+        ) from None
 
 
 def check_choice(kind: str, value: Any, allowed: Sequence[str]) -> str:
