@@ -118,6 +118,10 @@ def tiny_config(
 
     if model_type == "moee_lm":
         import moee.moe.lm  # noqa: F401  (registers the architecture)
+    from moee.models import NATIVE_MODEL_TYPES, register_native_models
+
+    if model_type in NATIVE_MODEL_TYPES:
+        register_native_models()
 
     defaults = AutoConfig.for_model(model_type).to_dict()
     kwargs: dict[str, Any] = {}

@@ -197,6 +197,9 @@ class MoEEmbedder:
         import moee.moe.lm  # noqa: F401  (registers model_type "moee_lm" with the Auto classes)
         import moee.moe.upcycled  # noqa: F401  (registers "moee_upcycled", see moee upcycle)
         from moee.loading import load_causal_lm
+        from moee.models import register_native_models
+
+        register_native_models()  # model types transformers lacks, e.g. DeepSeekMoE v1 ("deepseek")
 
         if device is not None and "device_map" in hf_kwargs:
             raise ValueError("pass either device or device_map, not both")
