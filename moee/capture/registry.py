@@ -35,8 +35,9 @@ Deliberate choices (also in the README support table):
   batch together (the modeling file notes it "mixes router logits across tokens"), so a
   text's routing depends on its batch neighbours; ``find_routers`` refuses it.
 
-Custom-code models (``trust_remote_code=True``, e.g. deepseek-moe-16b) declare nothing; for them
-:func:`find_routers` falls back to :func:`find_routers_by_pattern`, documented there.
+Custom-code models (``trust_remote_code=True``) declare nothing; for them :func:`find_routers` falls
+back to :func:`find_routers_by_pattern`, documented there. DeepSeekMoE v1 (deepseek-moe-16b) is not
+one of them: ``moee.models.deepseek_v1`` loads it natively, with declared routers.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ MODEL_TYPE_RULES: dict[str, str] = {
     "mellum": "softmax",
     "lara_mini": "softmax",
     "deepseek_v2": "softmax",
+    "deepseek": "softmax",  # DeepSeekMoE v1, native in moee.models.deepseek_v1
     "hunyuan_v1_moe": "softmax",
     "jamba": "softmax",
     "dbrx": "softmax",
