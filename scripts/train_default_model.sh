@@ -4,6 +4,7 @@
 #   scripts/train_default_model.sh            # fresh run (needs build/corpus + build/tokenizer:
 #                                             #   scripts/build_corpus.py, scripts/build_tokenizer.py)
 #   scripts/train_default_model.sh --resume   # continue from the latest checkpoint
+#   scripts/train_default_model.sh --overwrite  # fresh run replacing an earlier run in build/train_default
 #   scripts/train_default_model.sh --stop-at-step N   # the bundled model: see its README.md for N
 #
 # The run writes build/train_default/{log.jsonl, step_*/}. The export settles the loss-free

@@ -248,11 +248,17 @@ def read_state(path: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict | None = None,
 ) -> dict:
-    """Restore model weights, optimizer state and the torch RNG from `path`; return the trainer state."""
+    """Restore model weights, optimizer state and the torch RNG from `path`; return the trainer state.
+
+    `state` is what `read_state(path)` returned when the caller already verified it.
+    """
     path = Path(path)
-    state = read_state(path)
+    state = read_state(path) if state is None else state
     weights = _load_safetensors(path / MODEL_FILE)
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -693,7 +693,7 @@ def train(
     budget = sched["time_budget_minutes"]
     calibrate_at = _calibration_step(cfg) if budget else None
     if resume:
-        state = load_checkpoint(ckpt, model, optimizer)
+        state = load_checkpoint(ckpt, model, optimizer, state)
         step, position = state["step"], state["data_position"]
         if budget and step >= (calibrate_at or 0):
             calibrate_at = None  # already resolved by the interrupted run
