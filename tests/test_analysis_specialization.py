@@ -59,8 +59,10 @@ def test_repetition_and_layer_agreement(hand_made):
     assert rep["repetition"]["n_adjacent_pairs"] == 2  # only inside a text
     rates = [r["rate"] for r in rep["repetition"]["by_layer"]]
     assert rates == [0.0, 0.5]
-    # first-choice marginal of L1 is [1, 1, 2] / 4
-    assert rep["repetition"]["by_layer"][1]["marginal_baseline"] == pytest.approx((1 + 1 + 4) / 16)
+    # first-choice counts of L1 are [1, 1, 2] of 4: two random distinct tokens agree with
+    # probability (1*0 + 1*0 + 2*1) / (4*3); L0 [2, 2, 0]: (2 + 2) / 12
+    baselines = [r["baseline"] for r in rep["repetition"]["by_layer"]]
+    assert baselines == pytest.approx([4 / 12, 2 / 12])
     pair = rep["layer_agreement"]["pairs"][0]
     assert pair["layers"] == [0, 1]
     assert pair["matched_agreement"] == pytest.approx(0.5)  # joint (0,2),(1,2),(0,0),(1,1)
@@ -70,11 +72,16 @@ def test_repetition_and_layer_agreement(hand_made):
 def test_domain_and_vocabulary_specialization(hand_made):
     _, rep = hand_made
     doms = rep["domains"]
-    assert doms["available"] and doms["uniform"] == pytest.approx(1 / 3)
+    assert doms["available"] and "uniform" not in doms
     assert doms["domains"]["a"]["n_tokens"] == 3
     np.testing.assert_allclose(doms["domains"]["a"]["fraction"][0], [2 / 3, 1 / 3, 0], atol=1e-6)
     np.testing.assert_allclose(doms["domains"]["b"]["fraction"][0], [0, 1, 0])
-    assert doms["domains"]["a"]["max_lift_by_layer"][0] == pytest.approx((2 / 3) / (1 / 3))
+    assert doms["domains"]["a"]["max_fraction_by_layer"] == pytest.approx([2 / 3, 2 / 3], abs=1e-6)
+    # domain b is one token: whatever route it draws, its max fraction is 1
+    assert doms["domains"]["b"]["baseline_by_layer"] == pytest.approx([1.0, 1.0])
+    assert doms["domains"]["b"]["lift_over_baseline_by_layer"] == pytest.approx([1.0, 1.0])
+    # domain a draws 3 of the 4 routes: L0 routes e0 e1 e0 e1 -> always 2 of one expert
+    assert doms["domains"]["a"]["baseline_by_layer"][0] == pytest.approx(2 / 3)
     voc = rep["vocabulary"]["by_layer"]
     assert voc[0]["weighted_max_ratio"] == pytest.approx(1.0)  # w5 -> e0 twice, w6 -> e1 twice
     assert voc[1]["weighted_max_ratio"] == pytest.approx((2 * 0.5 + 2 * 0.5) / 4)
@@ -176,6 +183,12 @@ def test_report_does_not_depend_on_chunking():
     assert a["summary"]["top_k"] == 2 and a["summary"]["top_k_source"] == "config.num_experts_per_tok"
     ctx_texts = {c["text_index"] for row in a["experts"] for e in row for c in e["top_contexts"]}
     assert max(ctx_texts) >= 7  # global text indices survive chunking
+    # a route sample smaller than the corpus is the same sample in any chunking
+    kw = dict(progress=False, min_token_count=1, baseline_sample=30, permutations=3)
+    assert_same_report(
+        build_report(FakeEmbedder(), CORPUS, chunk_size=7, **kw),
+        build_report(FakeEmbedder(), CORPUS, chunk_size=1000, **kw),
+    )
 
 
 def test_report_options_and_errors():
@@ -259,3 +272,142 @@ def test_report_counts_the_loss_free_gates_biased_selection():
     for layer in rep["layers"]:
         assert layer["load_fraction"][0] == pytest.approx(1 / 2)  # in every token's top 2
         assert sum(layer["importance_fraction"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def _exact_sample(acc):
+    return acc._sample.routes().shape[0] == acc.n_tokens
+
+
+def test_vocabulary_baseline_is_the_exact_permutation_expectation():
+    """Four tokens w5 w5 w6 w6 routed e0 e0 e1 e1 (L=1, E=2, k=1). Shuffling the four routes over
+    the positions (6 equally likely arrangements), w5 gets both copies of one expert in 2 of them
+    (max count 2) and one of each in 4 (max 1): E[max] = 4/3 for each type, baseline (4/3 + 4/3)/4."""
+    acc = SpecializationAccumulator(1, 2, 1, permutations=3000, seed=1)
+    probs = np.array([[[0.9, 0.1]], [[0.8, 0.2]], [[0.3, 0.7]], [[0.1, 0.9]]])
+    acc.update(np.array([5, 5, 6, 6]), probs, text_index=0)
+    rep = acc.result(decode, min_token_count=1)
+    voc = rep["vocabulary"]["by_layer"][0]
+    assert voc["weighted_max_ratio"] == pytest.approx(1.0)
+    assert voc["baseline"] == pytest.approx(2 / 3, abs=0.02)
+    assert rep["baselines"]["exact"] is True and rep["baselines"]["permutations"] == 3000
+    # types seen fewer than min_token_count times have no statistic and no baseline
+    assert acc.result(decode, min_token_count=3)["vocabulary"]["by_layer"][0]["baseline"] is None
+
+
+def test_layer_agreement_baseline_is_the_exact_permutation_expectation():
+    """First choices e0 e0 e1 e1 in both layers (E=2). Pairing layer 1 randomly with layer 0, the
+    table is [[a, 2-a], [2-a, a]] with P(a=2) = P(a=0) = 1/6, P(a=1) = 4/6: matched agreement
+    1, 1, 1/2 -> 2/3, NMI 1, 1, 0 -> 1/3."""
+    acc = SpecializationAccumulator(2, 2, 1, permutations=3000, seed=2)
+    route = np.array([[[0.9, 0.1]] * 2, [[0.8, 0.2]] * 2, [[0.3, 0.7]] * 2, [[0.1, 0.9]] * 2])
+    acc.update(np.array([1, 2, 3, 4]), route, text_index=0)
+    pair = acc.result(decode, min_token_count=1)["layer_agreement"]["pairs"][0]
+    assert pair["nmi"] == pytest.approx(1.0) and pair["matched_agreement"] == pytest.approx(1.0)
+    assert pair["matched_baseline"] == pytest.approx(2 / 3, abs=0.02)
+    assert pair["nmi_baseline"] == pytest.approx(1 / 3, abs=0.03)
+
+
+def _routes_of(router, ids, L, E, rng):
+    """Dense probabilities [T, L, E] from per-token logits chosen by ``router``."""
+    logits = router(ids, rng)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def _stream(router, *, L=3, E=8, k=2, n_texts=120, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    acc = SpecializationAccumulator(L, E, k, **kw)
+    for i in range(n_texts):
+        T = int(rng.integers(5, 40))
+        ids = (rng.zipf(1.4, T) % 200).astype(np.int64)
+        acc.update(ids, _routes_of(router, ids, L, E, rng), text_index=i, domain="abc"[i % 3])
+    return acc, acc.result(decode, min_token_count=5)
+
+
+# expert preferences shared by every token, so loads are uneven and k/E, 1/E are off
+PREFERENCE = np.array([1.5, 1.0, 0.6, 0.3, 0.0, -0.3, -0.6, -1.0])
+
+
+def input_blind(ids, rng):
+    return rng.normal(size=(ids.size, 3, 8)) + PREFERENCE
+
+
+def by_token(ids, rng):
+    # each layer maps the token id to its own pair of experts; a little noise keeps the ranking
+    layers = [(ids * (2 * layer + 3) + layer) % 8 for layer in range(3)]
+    logits = rng.normal(scale=0.05, size=(ids.size, 3, 8))
+    for layer, e in enumerate(layers):
+        logits[np.arange(ids.size), layer, e] += 6
+        logits[np.arange(ids.size), layer, (e + 1 + ids % 7) % 8] += 4
+    return logits
+
+
+def test_a_router_that_ignores_its_input_scores_at_its_baselines():
+    acc, rep = _stream(input_blind, permutations=20)
+    assert _exact_sample(acc)
+    for v in rep["vocabulary"]["by_layer"]:
+        assert v["weighted_max_ratio"] == pytest.approx(v["baseline"], rel=0.04)
+        assert v["baseline"] > 1.5 * 2 / 8  # the uniform k/E is no baseline of a max over experts
+    for d in rep["domains"]["domains"].values():
+        for m, b in zip(d["max_fraction_by_layer"], d["baseline_by_layer"]):
+            assert m == pytest.approx(b, rel=0.06)
+    for pair in rep["layer_agreement"]["pairs"]:
+        assert pair["nmi"] == pytest.approx(pair["nmi_baseline"], abs=0.01)
+        assert pair["matched_agreement"] == pytest.approx(pair["matched_baseline"], abs=0.03)
+        assert pair["matched_baseline"] > 1.3 / 8  # uneven loads and a finite sample: above 1/E
+    for r in rep["repetition"]["by_layer"]:
+        assert r["rate"] == pytest.approx(r["baseline"], abs=0.03)
+
+
+def test_a_router_that_routes_by_token_identity_scores_far_above_its_baselines():
+    _, rep = _stream(by_token, permutations=5)
+    for v in rep["vocabulary"]["by_layer"]:
+        assert v["weighted_max_ratio"] == pytest.approx(1.0)
+        assert v["baseline"] < 0.8
+    for pair in rep["layer_agreement"]["pairs"]:
+        assert pair["nmi"] > pair["nmi_baseline"] + 0.3
+        assert pair["matched_agreement"] > pair["matched_baseline"] + 0.2
+
+
+def test_baselines_are_seeded_and_the_sample_is_bounded():
+    _, a = _stream(input_blind, n_texts=30, permutations=3, seed=5)
+    _, b = _stream(input_blind, n_texts=30, permutations=3, seed=5)
+    assert a["vocabulary"] == b["vocabulary"] and a["layer_agreement"] == b["layer_agreement"]
+    acc, small = _stream(input_blind, n_texts=30, permutations=3, baseline_sample=64)
+    assert acc._sample.routes().shape == (64, 3, 2) and acc.n_tokens > 64
+    assert small["baselines"]["exact"] is False and small["baselines"]["sampled_tokens"] == 64
+    for v in small["vocabulary"]["by_layer"]:
+        assert v["weighted_max_ratio"] == pytest.approx(v["baseline"], rel=0.15)
+
+
+def test_route_sample_does_not_depend_on_arrival_order():
+    rng = np.random.default_rng(3)
+    texts = [(i, rng.integers(0, 8, size=(int(rng.integers(3, 30)), 2, 2))) for i in range(60)]
+    first, second = (
+        SpecializationAccumulator(2, 8, 2, baseline_sample=50),
+        SpecializationAccumulator(2, 8, 2, baseline_sample=50),
+    )
+    for i, sel in texts:
+        first._sample.add(i, sel)
+    for i, sel in reversed(texts):
+        second._sample.add(i, sel)
+    np.testing.assert_array_equal(first._sample.routes(), second._sample.routes())
+
+
+def test_router_indices_decide_the_selection():
+    """The router's own top-k (here a group limit that drops the best expert) is what gets counted."""
+    acc = SpecializationAccumulator(1, 4, 2)
+    probs = np.array([[[0.4, 0.3, 0.2, 0.1]], [[0.1, 0.2, 0.3, 0.4]]])
+    chosen = np.array([[[2, 3]], [[3, 0]]])  # not the top 2 of the probabilities
+    acc.update(np.array([1, 2]), probs, text_index=0, selected=chosen)
+    np.testing.assert_array_equal(acc.load[0], [1, 0, 1, 2])
+    np.testing.assert_array_equal(acc.first[0], [0, 0, 1, 1])  # best-scored of the selected
+    np.testing.assert_allclose(acc.importance[0], [0.5, 0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match=r"\[T, L, k\]"):
+        acc.update(np.array([1]), probs[:1], text_index=1, selected=np.array([[[1]]]))
+    with pytest.raises(ValueError, match="outside"):
+        acc.update(np.array([1]), probs[:1], text_index=1, selected=np.array([[[1, 4]]]))
+    with pytest.raises(ValueError, match="twice"):
+        acc.update(np.array([1]), probs[:1], text_index=1, selected=np.array([[[1, 1]]]))
+    with pytest.raises(ValueError, match="integer"):
+        acc.update(np.array([1]), probs[:1], text_index=1, selected=np.array([[[1.0, 2.0]]]))

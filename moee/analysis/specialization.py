@@ -2,12 +2,15 @@
 
 Token-level routes come from ``MoEEmbedder.iter_token_routes`` one text at a time and are folded
 into fixed-size accumulators (``SpecializationAccumulator``), so memory depends on the model
-(layers x experts), the vocabulary actually seen and a few top-context slots, never on the corpus
-length. Statistics, for MoE layer ``l``, expert ``E``, k = the model's top-k:
+(layers x experts), the vocabulary actually seen, a few top-context slots and a bounded sample of
+token routes for the baselines, never on the corpus length. Statistics, for MoE layer ``l``,
+expert ``E``, k = the model's top-k:
 
-* selection: the top k of what the router really ranks: its softmax for plain top-k routers, its
-  scores plus the selection-only bias for loss-free / DeepSeek-V3-style routers
-  (``selection_scorers``), so the load is the load the experts actually receive;
+* selection: the experts the router itself chose (its top-k indices, group limits and biases
+  included) wherever the capture returns them; otherwise re-derived as the top k of what the
+  router ranks: its softmax for plain top-k routers, its scores plus the selection-only bias for
+  loss-free / DeepSeek-V3-style routers (``selection_scorers``). The report says which
+  (``summary.selection``). The first choice is the selected expert with the highest score;
 * load ``N_k(E)``: tokens whose top-k contains E; importance: sum over tokens of E's dense router
   probability (the softmax over all experts, i.e. Shazeer's ``G_sigma``, before top-k);
   ``CV = std/mean`` with the population std (the seeds' convention, as in ``moee.moe.losses``);
@@ -16,16 +19,22 @@ length. Statistics, for MoE layer ``l``, expert ``E``, k = the model's top-k:
 * top tokens/contexts per expert: the token ids E selects most often (``N_k(x, E)``) and the
   contexts (a window of tokens around the position) with the highest router probability for E,
   like the seeds' experts 381/752/2004;
-* domain specialization ``N_k(E, D) / N_D`` (fraction of domain D's tokens routed to E) against the
-  uniform ``k / E`` (OLMoE paper, section 5);
+* domain specialization ``N_k(E, D) / N_D`` (fraction of domain D's tokens routed to E; OLMoE
+  paper, section 5), summarised per layer by ``max_E``;
 * vocabulary specialization ``N_k(x, E) / N_x`` for tokens x seen at least ``min_token_count`` times;
-  summarised per layer as the token-weighted mean of ``max_E N_k(x, E) / N_x`` (uniform: k/E);
+  summarised per layer as the token-weighted mean of ``max_E N_k(x, E) / N_x``;
 * co-activation ``N(Ei, Ej) / N(Ei)``: of the tokens that selected Ei, the fraction also selecting Ej;
-* repetition: the rate at which consecutive tokens of a text keep the same first choice, against
-  the uniform baseline ``1/E`` and the marginal baseline ``sum_E p(E)^2`` (Mixtral paper, section 5);
+* repetition: the rate at which consecutive tokens of a text keep the same first choice (Mixtral
+  paper, section 5);
 * layer-to-layer agreement between the first choices of adjacent MoE layers: NMI from the joint
   counts and the exact match under the best one-to-one expert matching (expert ids of different
   layers are unrelated, so raw id equality would be meaningless).
+
+Baselines (``SpecializationAccumulator.baselines``): each statistic recomputed with the routes
+shuffled against what it relates them to (tokens, domains, positions, the other layer), seeded.
+Closed forms such as ``k / E`` or ``1 / E`` are not baselines of these statistics: a maximum over
+experts of a few counts is far above ``k / E`` by chance alone, and a finite-sample NMI or
+best matching is above ``1 / E``.
 
 ``build_report`` runs a model over a corpus and returns the JSON-ready dict; ``write_report``
 writes ``report.json`` plus a self-contained ``report.html`` (plots as base64 PNG).
@@ -73,6 +82,7 @@ TOP_K_ATTRIBUTES = (
 REPORT_SECTIONS = (
     "meta",
     "summary",
+    "baselines",
     "layers",
     "experts",
     "domains",
@@ -187,8 +197,144 @@ def _matched_from_table(table: np.ndarray) -> float:
     return float(table[rows, cols].sum() / total)
 
 
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fixed pseudo-random uint64 for every uint64 key."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+class _RouteSample:
+    """A uniform sample of at most ``capacity`` token routes (top-k sets ``[L, k]``) for the
+    permutation baselines, independent of the order in which texts arrive.
+
+    Every token gets a fixed pseudo-random priority from (seed, text index, position) and the
+    sample keeps the ``capacity`` smallest (bottom-k sampling), so memory is bounded and the same
+    corpus gives the same sample in any chunking. A corpus with at most ``capacity`` tokens is
+    held whole, which makes the baselines exact permutation tests.
+    """
+
+    def __init__(self, capacity: int, n_layers: int, top_k: int, n_experts: int, seed: int):
+        self.capacity = int(capacity)
+        self.seed = int(seed)
+        self._dtype = np.int16 if n_experts <= np.iinfo(np.int16).max else np.int32
+        self.priority = np.zeros(0, dtype=np.uint64)
+        self.text = np.zeros(0, dtype=np.int64)
+        self.pos = np.zeros(0, dtype=np.int64)
+        self.sel = np.zeros((0, n_layers, top_k), dtype=self._dtype)
+        self._pending: list[tuple[np.ndarray, ...]] = []
+        self._n_pending = 0
+        self._threshold: np.uint64 | None = None  # largest priority kept once the sample is full
+
+    def add(self, text_index: int, sel: np.ndarray) -> None:
+        T = sel.shape[0]
+        pos = np.arange(T, dtype=np.int64)
+        with np.errstate(over="ignore"):
+            salt = _mix64(
+                np.uint64(text_index) ^ _mix64(np.uint64(self.seed) + np.uint64(0x9E3779B97F4A7C15))
+            )
+            priority = _mix64(salt + pos.astype(np.uint64))
+        if self._threshold is not None:
+            keep = priority < self._threshold
+            if not keep.any():
+                return
+            priority, pos, sel = priority[keep], pos[keep], sel[keep]
+        self._pending.append(
+            (priority, np.full(pos.size, text_index, dtype=np.int64), pos, sel.astype(self._dtype))
+        )
+        self._n_pending += pos.size
+        if self._n_pending >= self.capacity:
+            self.compact()
+
+    def compact(self) -> None:
+        if not self._pending:
+            return
+        parts = list(zip(*self._pending))
+        self.priority = np.concatenate([self.priority, *parts[0]])
+        self.text = np.concatenate([self.text, *parts[1]])
+        self.pos = np.concatenate([self.pos, *parts[2]])
+        self.sel = np.concatenate([self.sel, *parts[3]])
+        self._pending, self._n_pending = [], 0
+        if self.priority.size > self.capacity:
+            keep = np.argpartition(self.priority, self.capacity - 1)[: self.capacity]
+            self.priority, self.text, self.pos = self.priority[keep], self.text[keep], self.pos[keep]
+            self.sel = self.sel[keep]
+        if self.priority.size >= self.capacity:
+            self._threshold = self.priority.max()
+
+    def routes(self) -> np.ndarray:
+        """The sampled top-k sets ``[R, L, k]`` in corpus order (text, position)."""
+        self.compact()
+        return self.sel[np.lexsort((self.pos, self.text))]
+
+
+def _group_blocks(ends: np.ndarray, max_groups: int, max_tokens: int) -> Iterator[tuple[int, int, int, int]]:
+    """Blocks ``(g0, g1, t0, t1)`` of consecutive groups (token range ``[t0, t1)``) with at most
+    ``max_groups`` groups and, unless one group alone is longer, ``max_tokens`` tokens."""
+    g0, t0, G = 0, 0, ends.size
+    while g0 < G:
+        g1 = g0 + 1
+        while g1 < G and g1 - g0 < max_groups and ends[g1] - t0 <= max_tokens:
+            g1 += 1
+        yield g0, g1, t0, int(ends[g1 - 1])
+        g0, t0 = g1, int(ends[g1 - 1])
+
+
+def _permuted_group_max(
+    sizes: np.ndarray, sample: np.ndarray, n_experts: int, rng: np.random.Generator
+) -> np.ndarray:
+    """``max_E`` of each group's expert counts ``[G, L]`` when group g's ``sizes[g]`` tokens take
+    routes drawn at random from ``sample [R, L, k]``: a random permutation of the sample split into
+    the groups when they fit in it (an exact permutation test when the sample is the whole
+    corpus), draws with replacement otherwise. Memory is bounded by the block sizes."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    R, L, k = sample.shape
+    E = n_experts
+    out = np.zeros((sizes.size, L), dtype=np.int64)
+    total = int(sizes.sum())
+    if total == 0 or R == 0:
+        return out
+    perm = rng.permutation(R) if total <= R else None
+    ends = np.cumsum(sizes)
+    max_groups = max(1, (1 << 22) // (L * E))
+    max_tokens = max(1, (1 << 23) // (L * k))
+    layer_off = (np.arange(L) * E)[None, :, None]
+    for g0, g1, t0, t1 in _group_blocks(ends, max_groups, max_tokens):
+        counts = np.zeros((g1 - g0) * L * E, dtype=np.int64)
+        for s0 in range(t0, t1, max_tokens):
+            s1 = min(t1, s0 + max_tokens)
+            idx = perm[s0:s1] if perm is not None else rng.integers(0, R, s1 - s0)
+            group = np.searchsorted(ends, np.arange(s0, s1), side="right") - g0
+            keys = (group[:, None, None] * (L * E) + layer_off + sample[idx]).ravel()
+            counts += np.bincount(keys, minlength=counts.size)
+        out[g0:g1] = counts.reshape(g1 - g0, L, E).max(axis=2)
+    return out
+
+
+def _random_table(rows: np.ndarray, cols: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A contingency table with these margins, drawn as a uniformly random pairing of the row
+    labels with the column labels (one side permuted against the other)."""
+    remaining = np.asarray(cols, dtype=np.int64).copy()
+    table = np.zeros((len(rows), remaining.size), dtype=np.int64)
+    for i, r in enumerate(np.asarray(rows, dtype=np.int64)):
+        if r > 0:
+            table[i] = rng.multivariate_hypergeometric(remaining, int(r))
+            remaining -= table[i]
+    return table
+
+
+#: Default bound on the memory of the route sample behind the permutation baselines (bytes).
+BASELINE_SAMPLE_BYTES = 1 << 26
+
+
 class SpecializationAccumulator:
-    """Streams token routes ``probs [T, L, E]`` into bounded-memory routing statistics."""
+    """Streams token routes ``probs [T, L, E]`` into bounded-memory routing statistics.
+
+    ``permutations`` and ``seed`` set the permutation baselines; ``baseline_sample`` bounds the
+    number of token routes kept for them (default: as many as fit in ``BASELINE_SAMPLE_BYTES``).
+    """
 
     def __init__(
         self,
@@ -198,6 +344,9 @@ class SpecializationAccumulator:
         *,
         n_contexts: int = 5,
         context_window: int = 6,
+        permutations: int = 10,
+        seed: int = 0,
+        baseline_sample: int | None = None,
     ):
         for name, value in (("n_layers", n_layers), ("n_experts", n_experts), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -206,7 +355,23 @@ class SpecializationAccumulator:
             raise ValueError(f"top_k={top_k} exceeds n_experts={n_experts}")
         if n_contexts < 1 or context_window < 0:
             raise ValueError("n_contexts must be >= 1 and context_window >= 0")
+        if (
+            isinstance(permutations, bool)
+            or not isinstance(permutations, (int, np.integer))
+            or permutations < 1
+        ):
+            raise ValueError(f"permutations must be a positive int, got {permutations!r}")
         L, E = int(n_layers), int(n_experts)
+        if baseline_sample is None:
+            baseline_sample = max(1024, min(1 << 18, BASELINE_SAMPLE_BYTES // (2 * L * int(top_k))))
+        if (
+            isinstance(baseline_sample, bool)
+            or not isinstance(baseline_sample, (int, np.integer))
+            or baseline_sample < 1
+        ):
+            raise ValueError(f"baseline_sample must be a positive int, got {baseline_sample!r}")
+        self.permutations, self.seed = int(permutations), int(seed)
+        self._sample = _RouteSample(int(baseline_sample), L, int(top_k), E, int(seed))
         self.n_layers, self.n_experts, self.top_k = L, E, int(top_k)
         self.n_contexts, self.context_window = int(n_contexts), int(context_window)
         self.n_texts = 0
@@ -237,11 +402,15 @@ class SpecializationAccumulator:
         text_index: int,
         domain: str | None = None,
         selection: np.ndarray | None = None,
+        selected: np.ndarray | None = None,
     ) -> None:
         """Fold one text's routes in: ``input_ids [T]`` and dense router probabilities ``probs [T, L, E]``.
 
-        ``selection [T, L, E]`` are the scores the router actually ranks to pick its top k, when
-        they differ from ``probs`` (a selection-only bias, DeepSeek-V3 style); default ``probs``.
+        ``selected [T, L, k]`` are the expert indices the router itself chose (its own top k, group
+        limits and biases included); without them the top k is re-derived by ranking
+        ``selection [T, L, E]``, the scores the router ranks when they differ from ``probs`` (a
+        selection-only bias, DeepSeek-V3 style), default ``probs``. The first choice is the
+        selected expert with the highest ``selection`` (else ``probs``) score.
         """
         ids = np.asarray(input_ids, dtype=np.int64).ravel()
         p = np.asarray(probs, dtype=np.float64)
@@ -258,17 +427,18 @@ class SpecializationAccumulator:
         if not np.isfinite(p).all():
             raise ValueError(f"text {text_index}: router probabilities contain NaN or inf")
         T = p.shape[0]
+        if selected is not None:
+            sel = self._check_selected(selected, T)
+        elif k < E:  # order inside the top k is irrelevant for counts
+            sel = np.argpartition(-rank, k - 1, axis=2)[..., :k]
+        else:
+            sel = np.broadcast_to(np.arange(E), (T, L, E))
         self.n_texts += 1
         if T == 0:
             return
         self.n_tokens += T
-        # top-k selection (order inside the top k is irrelevant for counts) and first choice
-        sel = (
-            np.argpartition(-rank, k - 1, axis=2)[..., :k]
-            if k < E
-            else np.broadcast_to(np.arange(E), (T, L, E))
-        )
-        first = rank.argmax(axis=2)  # [T, L]
+        best = np.take_along_axis(rank, sel, axis=2).argmax(axis=2)  # first choice among the selected
+        first = np.take_along_axis(sel, best[..., None], axis=2)[..., 0]  # [T, L]
         layer_off = (np.arange(L) * E)[None, :, None]
         flat = (sel + layer_off).ravel()
         counts = np.bincount(flat, minlength=L * E).reshape(L, E)
@@ -296,7 +466,24 @@ class SpecializationAccumulator:
             self.domain_load[domain] += counts
         self._tokens.add(ids)
         self._vocab.add(((ids[:, None, None] * L + np.arange(L)[None, :, None]) * E + sel).ravel())
+        self._sample.add(text_index, np.asarray(sel))
         self._update_contexts(ids, p, text_index)
+
+    def _check_selected(self, selected: np.ndarray, T: int) -> np.ndarray:
+        L, E, k = self.n_layers, self.n_experts, self.top_k
+        sel = np.asarray(selected)
+        if sel.shape != (T, L, k):
+            raise ValueError(
+                f"selected must be [T, L, k] = [{T}, {L}, {k}] expert indices, got shape {sel.shape}"
+            )
+        if sel.size and not np.issubdtype(sel.dtype, np.integer):
+            raise ValueError(f"selected must hold integer expert indices, got dtype {sel.dtype}")
+        sel = sel.astype(np.int64)
+        if sel.size and (sel.min() < 0 or sel.max() >= E):
+            raise ValueError(f"selected holds expert indices outside [0, {E})")
+        if k > 1 and sel.size and (np.diff(np.sort(sel, axis=2), axis=2) == 0).any():
+            raise ValueError("selected lists the same expert twice for one token")
+        return sel
 
     def _update_contexts(self, ids: np.ndarray, p: np.ndarray, text_index: int) -> None:
         M, W = self.n_contexts, self.context_window
@@ -350,7 +537,6 @@ class SpecializationAccumulator:
         L, E, k, N = self.n_layers, self.n_experts, self.top_k, self.n_tokens
         mean_load = N * k / E
         entropy = self.entropy_sum / N
-        first_frac = self.first / N
         layers = []
         for layer in range(L):
             layers.append(
@@ -371,30 +557,30 @@ class SpecializationAccumulator:
         token, lay, exp_, cnt, n_x = self.vocabulary_counts()
         experts = self._experts_section(decode, token, lay, exp_, cnt, n_x, n_top_tokens, min_token_count)
         vocabulary = self._vocabulary_section(decode, token, lay, exp_, cnt, n_x, min_token_count)
-        domains = {
-            "available": bool(self.domain_tokens),
-            "uniform": k / E,
-            "domains": {
-                d: {
-                    "n_tokens": int(self.domain_tokens[d]),
-                    "fraction": (self.domain_load[d] / self.domain_tokens[d]).round(6).tolist(),
-                    "max_lift_by_layer": ((self.domain_load[d] / self.domain_tokens[d]).max(axis=1) / (k / E))
-                    .round(4)
-                    .tolist(),
-                }
-                for d in sorted(self.domain_tokens)
-            },
-        }
+        base = self.baselines(min_token_count)
+        for entry, value in zip(vocabulary["by_layer"], base["vocabulary"]):
+            entry["baseline"] = value
+        names = sorted(self.domain_tokens)
+        domains = {"available": bool(self.domain_tokens), "domains": {}}
+        for d, baseline in zip(names, base["domains"]):
+            max_fraction = (self.domain_load[d] / self.domain_tokens[d]).max(axis=1)
+            domains["domains"][d] = {
+                "n_tokens": int(self.domain_tokens[d]),
+                "fraction": (self.domain_load[d] / self.domain_tokens[d]).round(6).tolist(),
+                "max_fraction_by_layer": max_fraction.round(6).tolist(),
+                "baseline_by_layer": [round(b, 6) for b in baseline],
+                "lift_over_baseline_by_layer": [
+                    round(float(m / b), 4) if b > 0 else None for m, b in zip(max_fraction, baseline)
+                ],
+            }
         coact = self._coactivation_section(n_coactivation_pairs)
-        marginal = (first_frac**2).sum(axis=1)
         repetition = {
             "n_adjacent_pairs": int(self.n_adjacent),
             "by_layer": [
                 {
                     "layer": layer,
                     "rate": float(self.repeats[layer] / self.n_adjacent) if self.n_adjacent else 0.0,
-                    "uniform_baseline": 1.0 / E,
-                    "marginal_baseline": float(marginal[layer]),
+                    "baseline": base["repetition"][layer],
                 }
                 for layer in range(L)
             ],
@@ -405,10 +591,11 @@ class SpecializationAccumulator:
                     "layers": [layer, layer + 1],
                     "nmi": _nmi_from_table(self.layer_joint[layer].astype(np.float64)),
                     "matched_agreement": _matched_from_table(self.layer_joint[layer]),
+                    "nmi_baseline": nmi_b,
+                    "matched_baseline": matched_b,
                 }
-                for layer in range(L - 1)
+                for layer, (nmi_b, matched_b) in enumerate(base["layer_agreement"])
             ],
-            "matched_baseline": float(1.0 / E),
         }
         summary = {
             "n_texts": int(self.n_texts),
@@ -426,6 +613,7 @@ class SpecializationAccumulator:
         }
         return {
             "summary": summary,
+            "baselines": base["method"],
             "layers": layers,
             "experts": experts,
             "domains": domains,
@@ -433,6 +621,67 @@ class SpecializationAccumulator:
             "coactivation": coact,
             "repetition": repetition,
             "layer_agreement": agreement,
+        }
+
+    def baselines(self, min_token_count: int = 5) -> dict:
+        """Every statistic's value under the null "routing does not depend on X", computed the way
+        the statistic is computed, by permutation (seeded, mean over ``permutations`` draws):
+
+        * vocabulary: routes shuffled against tokens: each token type seen at least
+          ``min_token_count`` times takes as many random routes of the corpus (from the route
+          sample) as it has occurrences; the token-weighted mean of ``max_E N_k(x, E) / N_x``;
+        * domains: routes shuffled against domain labels the same way (a domain takes ``N_D``
+          random token routes): ``max_E N_k(E, D) / N_D`` per domain;
+        * layer agreement: layer l+1's first choices shuffled against layer l's: a random table
+          with the exact margins of the joint counts, then its NMI and matched agreement;
+        * repetition: first choices shuffled against positions; its expectation is exact,
+          ``sum_E c_E (c_E - 1) / (N (N - 1))`` with ``c_E`` the first-choice counts.
+        """
+        L, E, N = self.n_layers, self.n_experts, self.n_tokens
+        rng = np.random.default_rng(self.seed)
+        sample = self._sample.routes()
+        self._tokens.compact()
+        type_sizes = self._tokens.counts[self._tokens.counts >= min_token_count]
+        names = sorted(self.domain_tokens)
+        dom_sizes = np.array([self.domain_tokens[d] for d in names], dtype=np.int64)
+        P = self.permutations
+        vocab = np.zeros((P, L))
+        doms = np.zeros((P, dom_sizes.size, L))
+        for i in range(P):
+            if type_sizes.size:
+                vocab[i] = _permuted_group_max(type_sizes, sample, E, rng).sum(axis=0) / type_sizes.sum()
+            if dom_sizes.size:
+                doms[i] = _permuted_group_max(dom_sizes, sample, E, rng) / dom_sizes[:, None]
+        agreement = []
+        for layer in range(L - 1):
+            joint = self.layer_joint[layer]
+            runs = [_random_table(joint.sum(1), joint.sum(0), rng) for _ in range(P)]
+            agreement.append(
+                (
+                    float(np.mean([_nmi_from_table(t.astype(np.float64)) for t in runs])),
+                    float(np.mean([_matched_from_table(t) for t in runs])),
+                )
+            )
+        c = self.first.astype(np.float64)
+        repetition = ((c * (c - 1)).sum(axis=1) / (N * (N - 1))).tolist() if N > 1 else [0.0] * L
+        return {
+            "vocabulary": [float(v) if type_sizes.size else None for v in vocab.mean(axis=0)],
+            "domains": doms.mean(axis=0).tolist(),
+            "layer_agreement": agreement,
+            "repetition": [float(r) for r in repetition],
+            "method": {
+                "kind": "permutation",
+                "permutations": P,
+                "seed": self.seed,
+                "sampled_tokens": int(sample.shape[0]),
+                "exact": bool(sample.shape[0] == N),
+                "vocabulary": "routes shuffled against tokens (token types seen >= min_token_count times)",
+                "domains": "token routes shuffled against domain labels",
+                "layer_agreement": "first choices of layer l+1 shuffled against layer l (exact margins)",
+                "repetition": "first choices shuffled against positions (exact expectation)",
+                "coactivation": "none by permutation (shuffling routes keeps each token's set); "
+                "reference (k-1)/(E-1) is uniform independent choice",
+            },
         }
 
     def _experts_section(self, decode, token, lay, exp_, cnt, n_x, n_top, min_count) -> list[list[dict]]:
@@ -497,12 +746,12 @@ class SpecializationAccumulator:
         return out
 
     def _vocabulary_section(self, decode, token, lay, exp_, cnt, n_x, min_count) -> dict:
-        L, E, k = self.n_layers, self.n_experts, self.top_k
+        L = self.n_layers
         by_layer = []
         for layer in range(L):
             m = (lay == layer) & (n_x >= min_count)
             if not m.any():
-                by_layer.append({"layer": layer, "n_tokens_types": 0, "weighted_max_ratio": None, "top": []})
+                by_layer.append({"layer": layer, "n_token_types": 0, "weighted_max_ratio": None, "top": []})
                 continue
             t, c, nx = token[m], cnt[m], n_x[m]
             ratio = c / nx
@@ -532,7 +781,7 @@ class SpecializationAccumulator:
                     ],
                 }
             )
-        return {"min_token_count": int(min_count), "uniform": k / E, "by_layer": by_layer}
+        return {"min_token_count": int(min_count), "by_layer": by_layer}
 
     def _coactivation_section(self, n_pairs: int) -> dict:
         L, E, k = self.n_layers, self.n_experts, self.top_k
@@ -644,6 +893,9 @@ def build_report(
     n_contexts: int = 5,
     context_window: int = 6,
     min_token_count: int = 5,
+    permutations: int = 10,
+    seed: int = 0,
+    baseline_sample: int | None = None,
     progress: bool = True,
     total: int | None = None,
 ) -> dict:
@@ -661,7 +913,14 @@ def build_report(
             raise ValueError(f"top_k must be an int in [1, {n_experts}], got {top_k!r}")
         source = "argument"
     acc = SpecializationAccumulator(
-        n_layers, n_experts, top_k, n_contexts=n_contexts, context_window=context_window
+        n_layers,
+        n_experts,
+        top_k,
+        n_contexts=n_contexts,
+        context_window=context_window,
+        permutations=permutations,
+        seed=seed,
+        baseline_sample=baseline_sample,
     )
     scorers = selection_scorers(embedder)
 
@@ -786,10 +1045,16 @@ def _figures(report: dict) -> dict[str, str]:
             1, len(show), figsize=(4.2 * len(show), 0.9 + 0.35 * len(doms)), squeeze=False
         )
         for ax, layer in zip(axes[0], show):
-            mat = np.asarray([doms[d]["fraction"][layer] for d in doms]) / (k / E)
+            corpus_share = np.asarray(report["layers"][layer]["load_fraction"]) * k  # N_k(E) / N
+            mat = np.divide(
+                np.asarray([doms[d]["fraction"][layer] for d in doms]),
+                corpus_share,
+                out=np.zeros((len(doms), E)),
+                where=corpus_share > 0,
+            )
             im = ax.imshow(mat, aspect="auto", cmap="magma", vmin=0)
             ax.set_yticks(range(len(doms)), list(doms), fontsize=7)
-            ax.set_title(f"layer {layer}: N_k(E,D)/N_D / (k/E)", fontsize=8)
+            ax.set_title(f"layer {layer}: (N_k(E,D)/N_D) / (N_k(E)/N)", fontsize=8)
             ax.set_xlabel("expert", fontsize=8)
             fig.colorbar(im, ax=ax)
         figs["domains"] = _png(fig)
@@ -797,8 +1062,7 @@ def _figures(report: dict) -> dict[str, str]:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3))
     rep = report["repetition"]["by_layer"]
     ax[0].plot(xs, [r["rate"] for r in rep], marker="o", label="first-choice repetition")
-    ax[0].plot(xs, [r["marginal_baseline"] for r in rep], linestyle="--", label="random (marginal)")
-    ax[0].axhline(1 / E, color="gray", linestyle=":", label="random (uniform 1/E)")
+    ax[0].plot(xs, [r["baseline"] for r in rep], linestyle="--", label="baseline (permutation)")
     ax[0].set_xlabel("MoE layer")
     ax[0].legend(fontsize=7)
     pairs = report["layer_agreement"]["pairs"]
@@ -810,7 +1074,14 @@ def _figures(report: dict) -> dict[str, str]:
             marker="s",
             label="matched",
         )
-        ax[1].axhline(1 / E, color="gray", linestyle=":", label="1/E")
+        for key, style in (("nmi_baseline", "--"), ("matched_baseline", ":")):
+            ax[1].plot(
+                [p["layers"][0] for p in pairs],
+                [p[key] for p in pairs],
+                linestyle=style,
+                color="gray",
+                label=key.replace("_", " ") + " (permutation)",
+            )
         ax[1].set_xlabel("layer l (vs l+1)")
         ax[1].legend(fontsize=7)
     else:
@@ -897,6 +1168,25 @@ def render_html(report: dict, *, expert_layers: Sequence[int] | None = None) -> 
             f"<p>Command: <code>{esc(str(meta.get('command', '')))}</code>; created {esc(str(meta.get('utc', '')))}; "
             f"versions: <code>{esc(json.dumps(meta.get('versions', {})))}</code></p>"
         )
+    b = report.get("baselines", {})
+    parts.append("</section><section id='baselines'><h2>Baselines</h2>")
+    parts.append(
+        f"<p>Expert selection: {esc(str(s.get('selection', '')))}.</p>"
+        "<p>Every baseline is the statistic itself recomputed with the routes shuffled against what the "
+        f"statistic relates them to ({esc(str(b.get('kind', '')))}, {b.get('permutations', '-')} draws, seed "
+        f"{b.get('seed', '-')}, {b.get('sampled_tokens', '-')} sampled token routes"
+        f"{'; the whole corpus, so the permutation is exact' if b.get('exact') else ''}).</p>"
+    )
+    parts.append(
+        _table(
+            ["statistic", "null (what is shuffled)"],
+            [
+                [esc(name), esc(str(b[name]))]
+                for name in ("vocabulary", "domains", "repetition", "layer_agreement", "coactivation")
+                if name in b
+            ],
+        )
+    )
     parts.append("</section><section id='layers'><h2>Per-layer load balance</h2>")
     parts.append(
         "<p>Load = tokens whose top-k contains the expert; importance = sum of dense router probabilities; "
@@ -973,14 +1263,27 @@ def render_html(report: dict, *, expert_layers: Sequence[int] | None = None) -> 
     doms = report["domains"]
     if doms["available"]:
         parts.append(
-            f"<p>N_k(E,D)/N_D divided by the uniform k/E = {doms['uniform']:.4f}: 1 everywhere means no "
-            "domain preference (OLMoE paper, section 5). Max lift per layer:</p>"
+            "<p>max<sub>E</sub> N_k(E,D)/N_D per layer (OLMoE paper, section 5), beside its baseline: the "
+            "same statistic with the token routes shuffled against the domain labels (permutation). "
+            "Cells: statistic / baseline (lift). The heatmaps divide each expert's share of the domain "
+            "by its share of the corpus (1 = no preference).</p>"
         )
         parts.append(
             _table(
                 ["domain", "tokens", *[f"L{i}" for i in range(L)]],
                 [
-                    [esc(d), v["n_tokens"], *[_fmt(x, 2) for x in v["max_lift_by_layer"]]]
+                    [
+                        esc(d),
+                        v["n_tokens"],
+                        *[
+                            f"{_fmt(m)} / {_fmt(b)} ({_fmt(lift, 2)}x)"
+                            for m, b, lift in zip(
+                                v["max_fraction_by_layer"],
+                                v["baseline_by_layer"],
+                                v["lift_over_baseline_by_layer"],
+                            )
+                        ],
+                    ]
                     for d, v in doms["domains"].items()
                 ],
             )
@@ -994,16 +1297,25 @@ def render_html(report: dict, *, expert_layers: Sequence[int] | None = None) -> 
     voc = report["vocabulary"]
     parts.append(
         f"<p>N_k(x,E)/N_x for token types seen at least {voc['min_token_count']} times; per layer the "
-        f"token-weighted mean of max<sub>E</sub> N_k(x,E)/N_x (uniform routing: k/E = {voc['uniform']:.4f}).</p>"
+        "token-weighted mean of max<sub>E</sub> N_k(x,E)/N_x, beside its baseline: the same statistic "
+        "with the routes shuffled against the tokens (permutation; it depends on how often each type "
+        "occurs, so it is far above k/E for rare types).</p>"
     )
     parts.append(
         _table(
-            ["layer", "token types", "weighted max ratio", "most specialised tokens (expert, ratio)"],
+            [
+                "layer",
+                "token types",
+                "weighted max ratio",
+                "baseline",
+                "most specialised tokens (expert, ratio)",
+            ],
             [
                 [
                     v["layer"],
                     v.get("n_token_types", 0),
                     _fmt(v["weighted_max_ratio"]),
+                    _fmt(v.get("baseline")),
                     ", ".join(
                         f"<code>{esc(repr(t['token']))}</code>&rarr;E{t['expert']} {t['ratio']:.2f}"
                         for t in v["top"][:8]
@@ -1016,7 +1328,8 @@ def render_html(report: dict, *, expert_layers: Sequence[int] | None = None) -> 
     parts.append("</section><section id='coactivation'><h2>Expert co-activation</h2>")
     co = report["coactivation"]
     parts.append(
-        f"<p>N(Ei,Ej)/N(Ei); independent routing would give about (k-1)/(E-1) = {co['uniform']:.4f}.</p>"
+        f"<p>N(Ei,Ej)/N(Ei); uniform independent choice of k experts gives (k-1)/(E-1) = {co['uniform']:.4f}. "
+        "There is no permutation baseline here: shuffling routes against tokens keeps each token's set.</p>"
     )
     parts.append(
         _table(
@@ -1036,24 +1349,32 @@ def render_html(report: dict, *, expert_layers: Sequence[int] | None = None) -> 
         "</section><section id='repetition'><h2>Consecutive-token repetition of the first choice</h2>"
     )
     parts.append(
+        "<p>Rate at which consecutive tokens of a text keep the same first choice, beside its baseline: "
+        "first choices shuffled against positions (exact permutation expectation).</p>"
+    )
+    parts.append(
         _table(
-            ["layer", "rate", "random (marginal)", "random (1/E)"],
-            [
-                [r["layer"], _fmt(r["rate"]), _fmt(r["marginal_baseline"]), _fmt(r["uniform_baseline"])]
-                for r in report["repetition"]["by_layer"]
-            ],
+            ["layer", "rate", "baseline (permutation)"],
+            [[r["layer"], _fmt(r["rate"]), _fmt(r["baseline"])] for r in report["repetition"]["by_layer"]],
         )
     )
     parts.append("</section><section id='layer_agreement'><h2>Layer-to-layer routing agreement</h2>")
     parts.append(
         "<p>First choices of adjacent MoE layers: NMI of the joint counts and the fraction that agrees under "
-        "the best one-to-one expert matching (expert ids of different layers are unrelated).</p>"
+        "the best one-to-one expert matching (expert ids of different layers are unrelated), each beside its "
+        "baseline: layer l+1's first choices shuffled against layer l's (permutation, same margins).</p>"
     )
     parts.append(
         _table(
-            ["layers", "NMI", "matched agreement"],
+            ["layers", "NMI", "NMI baseline", "matched agreement", "matched baseline"],
             [
-                [f"{p['layers'][0]}&rarr;{p['layers'][1]}", _fmt(p["nmi"]), _fmt(p["matched_agreement"])]
+                [
+                    f"{p['layers'][0]}&rarr;{p['layers'][1]}",
+                    _fmt(p["nmi"]),
+                    _fmt(p["nmi_baseline"]),
+                    _fmt(p["matched_agreement"]),
+                    _fmt(p["matched_baseline"]),
+                ]
                 for p in report["layer_agreement"]["pairs"]
             ],
         )
