@@ -487,14 +487,27 @@ def test_resuming_a_finished_run_reports_its_final_state(corpus, tmp_path):
     assert again.step == 6 and again.checkpoint == full.checkpoint and again.last_eval == full.last_eval
 
 
-def test_resume_accepts_a_new_declared_context_length(corpus, tmp_path):
+def test_resume_accepts_a_new_declared_context_length_and_spelled_out_defaults(corpus, tmp_path):
     """max_position_embeddings changes no computation (RoPE is computed on the fly); it must cover seq_len."""
     cfg = tiny_cfg(corpus, tmp_path)
     cfg["model"]["max_position_embeddings"] = 64
     train(cfg, stop_at_step=3, progress=False)
     cfg["model"]["max_position_embeddings"] = 16
-    with pytest.warns(UserWarning, match="model.max_position_embeddings"):
+    cfg["model"]["num_shared_experts"] = 0  # spelled out, equal to MoEEConfig's default: no change
+    with pytest.warns(UserWarning, match="model.max_position_embeddings") as caught:
         assert train(cfg, resume=True, progress=False).step == 6
+    assert not any("num_shared_experts" in str(w.message) for w in caught)
     cfg["model"]["max_position_embeddings"] = 8
     with pytest.raises(ValueError, match="max_position_embeddings 8 < data.seq_len 16"):
         load_config(cfg)
+
+
+def test_a_damaged_newest_checkpoint_names_the_earlier_ones(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    train(cfg, stop_at_step=4, progress=False)
+    newest = latest_checkpoint(tmp_path / "run")
+    (newest / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(ValueError, match=r"model.safetensors.*step_00000002.*move step_00000004 away"):
+        train(cfg, resume=True, progress=False)
+    newest.rename(tmp_path / "damaged")
+    assert train(cfg, resume=True, progress=False).step == 6

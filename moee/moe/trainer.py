@@ -66,6 +66,7 @@ from moee.moe.checkpoint import (
     NonFiniteCheckpointError,
     checkpoint_dirs,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     read_state,
     save_checkpoint,
@@ -524,8 +525,18 @@ def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int,
     `schedule.max_steps`, which extends the run (the cosine schedule after the resumed step
     follows the new total); and a changed `time_budget_minutes` once the budget was resolved.
     """
+    from moee.moe.lm import MoEEConfig
+
     old, new = _flatten(state.get("config") or {}), _flatten(cfg)
     defaults = _flatten(DEFAULTS)
+    # a model key left out means MoEEConfig's default (or the tokenizer's / seq_len, see _build_model)
+    defaults.update(
+        {
+            k: getattr(MoEEConfig, k.split(".", 1)[1], "<unset>")
+            for k in set(old) | set(new)
+            if k.startswith("model.") and k not in _TOKENIZER_DEFAULTS
+        }
+    )
     old_inputs = state.get("inputs")
     step = state["step"]
     refused: list[str] = []
@@ -578,6 +589,13 @@ def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int,
             "(or replace this one with --overwrite)"
         )
     return total, accepted
+
+
+# model keys `_build_model` fills from the tokenizer or data.seq_len when the config leaves them out
+_TOKENIZER_DEFAULTS = {
+    f"model.{k}"
+    for k in ("vocab_size", "eos_token_id", "bos_token_id", "pad_token_id", "max_position_embeddings")
+}
 
 
 def _calibration_step(cfg: dict) -> int:
@@ -637,7 +655,16 @@ def train(
         ckpt = latest_checkpoint(out_dir)
         if ckpt is None:
             raise FileNotFoundError(f"--resume: no checkpoint found in {out_dir}")
-        state = read_state(ckpt)
+        try:
+            state = read_state(ckpt)
+        except ValueError as exc:
+            older = [c.name for c in list_checkpoints(out_dir)[:-1]]
+            if not older:
+                raise
+            raise ValueError(
+                f"{exc}; earlier checkpoints in {out_dir}: {', '.join(older)} (move {ckpt.name} away to "
+                f"resume from {older[-1]})"
+            ) from exc
     else:
         existing = _run_artifacts(out_dir)
         if existing and not overwrite:
