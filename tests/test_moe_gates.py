@@ -1,4 +1,4 @@
-"""Gates: seed worked numbers, invariants, gradient flow and the balancing variants (SEED_SPEC 2, 3, 5)."""
+"""Gates: worked numbers, invariants, gradient flow and the balancing variants (Shazeer et al. 2017 on)."""
 
 from __future__ import annotations
 

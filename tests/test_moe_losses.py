@@ -1,4 +1,4 @@
-"""Balancing losses and top-k helpers against the seeds' worked numbers (SEED_SPEC 2.3, 3.2, 3.3, 4)."""
+"""Balancing losses and top-k helpers against hand-worked numbers (Shazeer et al. 2017; Switch)."""
 
 from __future__ import annotations
 

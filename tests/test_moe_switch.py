@@ -1,6 +1,8 @@
-"""Switch top-1 routing with capacity against the seeds' invariants (SEED_SPEC section 4, Appendix A.8)."""
+"""Switch top-1 routing with capacity against its invariants and a per-token loop reference."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from moee.moe import SwitchFFN, SwitchRouter, switch_capacity, switch_route
 from moee.moe.switch import switch_ffn_reference
 
-# the seeds' reduced reference shapes: T = 8 tokens, D = 4, E = 3 experts, H = 8
+# small reference shapes: T = 8 tokens, D = 4, E = 3 experts, H = 8
 T, D, E, HID = 8, 4, 3, 8
 
 
@@ -115,7 +117,7 @@ def test_router_trains_through_unrenormalised_top1_gate():
     ffn = _ffn(3.0)
     x = torch.randn(T, D)
     y, aux = ffn(x)
-    (y**2).sum().backward()  # the seeds' illustrative squared-output objective, no aux loss
+    (y**2).sum().backward()  # an illustrative squared-output objective, no aux loss
     assert ffn.router.weight.grad.abs().sum() > 0
     before = ffn.router.weight.detach().clone()
     torch.optim.SGD(ffn.parameters(), lr=0.1).step()
@@ -127,7 +129,7 @@ def test_expert_and_residual_overflow_raise():
     with torch.no_grad():
         ffn.w1.fill_(1e20)
         ffn.w2.fill_(1e20)
-    with pytest.raises(ValueError, match="expert outputs overflowed float32"):
+    with pytest.raises(ValueError, match=r"^expert outputs overflowed float32$"):
         ffn(torch.ones(T, D))
 
     ffn = SwitchFFN(D, HID, E, capacity_factor=3.0)
@@ -139,7 +141,7 @@ def test_expert_and_residual_overflow_raise():
         ffn.w2[0, 0, 0] = 1e38
     x = torch.zeros(1, D)
     x[0, 0] = 3.0e38  # expert output 3e38 is finite; x + 3e38/3 is not
-    with pytest.raises(ValueError, match="residual output overflowed float32"):
+    with pytest.raises(ValueError, match=r"^residual output overflowed float32$"):
         ffn(x)
 
 
@@ -155,3 +157,117 @@ def test_router_gate_output_contract():
     assert out.logits.dtype == torch.float32
     with pytest.raises(ValueError, match=r"\[T, 4\]"):
         router(torch.randn(T, D + 1))
+
+
+# ---------------------------------------------------------------- argument checks and defaults
+
+
+def test_switch_capacity_error_messages_name_the_problem():
+    with pytest.raises(TypeError, match=r"^tokens must be an int, got float$"):
+        switch_capacity(8.0, 3, 1.0)
+    with pytest.raises(TypeError, match=r"^experts must be an int, got str$"):
+        switch_capacity(8, "3", 1.0)
+    with pytest.raises(TypeError, match=r"^minimum must be an int, got bool$"):
+        switch_capacity(8, 3, 1.0, minimum=True)
+    with pytest.raises(ValueError, match=r"^tokens must be >= 0, got -1$"):
+        switch_capacity(-1, 3, 1.0)
+    with pytest.raises(ValueError, match=r"^experts must be >= 1, got 0$"):
+        switch_capacity(8, 0, 1.0)
+    with pytest.raises(ValueError, match=r"^minimum must be >= 0, got -2$"):
+        switch_capacity(8, 3, 1.0, minimum=-2)
+    with pytest.raises(ValueError, match=r"^capacity_factor must be a finite number > 0, got inf$"):
+        switch_capacity(8, 3, float("inf"))
+
+
+def test_route_and_modules_validate_their_inputs():
+    with pytest.raises(ValueError, match=r"^router logits must be \[T, E\], got shape \(4,\)$"):
+        switch_route(torch.zeros(4), 1.0)
+    with pytest.raises(ValueError, match=r"^router logits overflowed float32$"):
+        switch_route(torch.tensor([[0.0, float("inf")]]), 1.0)
+    router = SwitchRouter(D, E)
+    with pytest.raises(TypeError, match=r"^input must be a torch.Tensor, got list$"):
+        router([[0.0] * D])
+    for bad in ((0, E), (D, 0)):
+        with pytest.raises(ValueError, match=r"^d_model and n_experts must be >= 1, got"):
+            SwitchRouter(*bad)
+    SwitchRouter(1, 1)  # the smallest valid router
+    with pytest.raises(ValueError, match="capacity_factor"):
+        SwitchRouter(D, E, capacity_factor=0.0)  # checked at construction, not first use
+    with pytest.raises(ValueError, match="minimum"):
+        SwitchRouter(D, E, minimum_capacity=-1)
+    with pytest.raises(ValueError, match=r"^d_ff must be >= 1, got 0$"):
+        SwitchFFN(D, 0, E)
+    assert SwitchFFN(D, 1, E)(torch.randn(T, D))[0].shape == (T, D)  # d_ff = 1 is valid
+
+
+def test_defaults_capacity_factor_minimum_and_alpha():
+    x = torch.randn(T, D)
+    # capacity factor 1.25 -> int(8 * 1.25 / 3) = 3; minimum 1 -> a factor of 0.1 gives 1 slot
+    assert SwitchRouter(D, E).route(x).capacity == 3
+    assert SwitchFFN(D, HID, E)(x)[1]["capacity"].item() == 3
+    assert SwitchRouter(D, E, capacity_factor=0.1).route(x).capacity == 1
+    assert switch_route(torch.zeros(T, E), 0.1).capacity == 1
+    assert switch_route(torch.zeros(T, E), 0.1, minimum_capacity=4).capacity == 4
+    # alpha reaches the loss on every path; uniform routing gives exactly alpha
+    assert switch_route(torch.zeros(T, E), 1.0, alpha=0.5).aux_loss.item() == pytest.approx(0.5)
+    router = SwitchRouter(D, E, alpha=0.3)
+    with torch.no_grad():
+        router.weight.zero_()
+    assert router(x).aux["loss"].item() == pytest.approx(0.3)
+    ffn = SwitchFFN(D, HID, E, alpha=0.7)
+    with torch.no_grad():
+        ffn.router.weight.zero_()
+    assert ffn(x)[1]["loss"].item() == pytest.approx(0.7)
+
+
+def test_initialisation_scales():
+    torch.manual_seed(0)
+    ffn = SwitchFFN(64, 100, 4)
+    assert ffn.w1.std().item() == pytest.approx(64**-0.5, rel=0.05)
+    assert ffn.w2.std().item() == pytest.approx(100**-0.5, rel=0.05)
+    assert ffn.router.weight.std().item() == pytest.approx(64**-0.5, rel=0.1)
+    assert SwitchRouter(64, 16, init_std=0.5).weight.std().item() == pytest.approx(0.5, rel=0.1)
+
+
+def test_route_intermediates_hand_computed():
+    # token 0 prefers expert 1, token 1 expert 0, token 2 expert 1; capacity int(3 * 1 / 2) = 1
+    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(4.0), 0.0], [0.0, math.log(9.0)]])
+    r = switch_route(logits, capacity_factor=1.0, minimum_capacity=0)
+    torch.testing.assert_close(r.probabilities, torch.tensor([[0.25, 0.75], [0.8, 0.2], [0.1, 0.9]]))
+    assert r.expert_index.tolist() == [1, 0, 1]
+    torch.testing.assert_close(r.gate, torch.tensor([0.75, 0.8, 0.9]))
+    assert r.capacity == 1 and r.positions.tolist() == [0, 0, 1]
+    assert r.accepted.tolist() == [True, True, False]
+    torch.testing.assert_close(r.fractions, torch.tensor([1 / 3, 2 / 3]))
+    torch.testing.assert_close(r.mean_probabilities, torch.tensor([1.15 / 3, 1.85 / 3]))
+    # alpha * E * sum f_i P_i = 0.01 * 2 * (1/3 * 1.15/3 + 2/3 * 1.85/3)
+    assert r.aux_loss.item() == pytest.approx(0.02 * (1.15 + 3.7) / 9, rel=1e-5)
+    assert r.dispatch.dtype == torch.bool and r.dispatch.shape == (3, 2, 1)
+    assert r.dispatch.nonzero().tolist() == [[0, 1, 0], [1, 0, 0]]
+    torch.testing.assert_close(r.combine[:, :, 0], torch.tensor([[0.0, 0.75], [0.8, 0.0], [0.0, 0.0]]))
+
+    router = SwitchRouter(2, 2, capacity_factor=1.0, minimum_capacity=0)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(2))
+    out = router(logits)  # x @ I = the logits above
+    torch.testing.assert_close(out.aux["importance"], torch.tensor([1.15, 1.85]))
+    torch.testing.assert_close(out.aux["fractions"], r.fractions)
+    assert out.aux["capacity"].item() == 1 and out.aux["positions"].tolist() == [0, 0, 1]
+    assert out.aux["dropped_tokens"].item() == 1
+    assert out.aux["loss"].item() == pytest.approx(r.aux_loss.item())
+    ffn_aux = SwitchFFN(2, 3, 2, capacity_factor=1.0, minimum_capacity=0)
+    with torch.no_grad():
+        ffn_aux.router.weight.copy_(torch.eye(2))
+    _, aux = ffn_aux(logits)
+    torch.testing.assert_close(aux["fractions"], r.fractions)
+    assert aux["loss"].item() == pytest.approx(r.aux_loss.item()) and aux["capacity"].item() == 1
+
+
+def test_ffn_matches_reference_with_a_larger_minimum_capacity():
+    ffn = _ffn(0.1)
+    ffn.router.minimum_capacity = 3
+    x = torch.randn(T, D)
+    y, aux = ffn(x)
+    assert aux["capacity"].item() == 3
+    ref = switch_ffn_reference(x, ffn.router.weight, ffn.w1, ffn.w2, 0.1, minimum_capacity=3)
+    assert torch.allclose(y, ref, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Gating networks for the from-scratch MoE (SEED_SPEC sections 2, 3 and 5).
+"""Gating networks for the from-scratch MoE (Shazeer et al. 2017; Zhou et al. 2022; Wang et al. 2024).
 
 Every gate maps token vectors ``x [N, d]`` to a :class:`GateOutput`:
 
@@ -525,7 +525,7 @@ class LossFreeBalancedGate(nn.Module):
     renormalised, ``w_i = s_i / sum_selected s_j`` (for softmax scores this equals the softmax over
     the selected logits). ``score_func`` is ``"sigmoid"`` (DeepSeek-V3) or ``"softmax"``.
 
-    Update rule (DeepSeek-V3 convention; the seeds give none): after each training step,
+    Update rule (DeepSeek-V3 convention; Wang et al. give no step size): after each training step,
     ``b_i += gamma * sign(mean_load - load_i)`` with ``load_i`` the number of selections of expert i
     in that step: underloaded experts are nudged up, overloaded ones down, balanced ones stay.
     With ``auto_update=True`` (default) the update is applied at the end of every training-mode

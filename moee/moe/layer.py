@@ -2,7 +2,7 @@
 
 Dispatch scales with the number of (token, slot) assignments, not with tokens x experts:
 the N*k assignments are sorted by expert, each expert runs once on its contiguous slice
-(one matmul pair per expert, as in the seeds' `forward_batched`), and the weighted outputs
+(one matmul pair per expert), and the weighted outputs
 are scattered back with `index_add_`. There is no Python loop over tokens and no dense
 `[tokens, experts, capacity]` tensor. Experts whose slice is empty are skipped, so they
 receive exactly zero gradient ("wherever G(x)_i = 0, we need not compute E_i(x)").
@@ -67,6 +67,15 @@ class MoEERouter(nn.Module):
             return "softmax_bias"
         return "softmax"
 
+    @property
+    def selection_bias(self) -> torch.Tensor | None:
+        """The loss-free gate's selection-only bias `[E]` (None for other gates): capture adds it to
+        the scores to reproduce the router's own top-k (`moee.capture.registry.selection_scores`)."""
+        if getattr(self.gate, "score_func", None) is None:
+            return None
+        bias = getattr(self.gate, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         out = self.gate(flat)
@@ -100,7 +109,7 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float | None = None) -> None:
-        """Every expert drawn from the same distribution (the seeds: same blueprint, same init)."""
+        """Every expert drawn from the same distribution (same blueprint, same init)."""
         std_in = std if std is not None else 1.0 / math.sqrt(self.d_model)
         std_out = std if std is not None else 1.0 / math.sqrt(self.d_hidden)
         nn.init.normal_(self.w_in, std=std_in)
@@ -204,13 +213,13 @@ class SharedExperts(nn.Module):
 
 
 def _cv(v: torch.Tensor) -> torch.Tensor:
-    """Coefficient of variation with the population std (the seeds' convention); 0 for an all-zero vector."""
+    """Coefficient of variation with the population std (as `cv_squared`); 0 for an all-zero vector."""
     mean = v.mean()
     return torch.where(mean > 0, v.std(unbiased=False) / mean.clamp_min(1e-12), torch.zeros_like(mean))
 
 
 def balance_stats(importance: torch.Tensor, load: torch.Tensor) -> dict[str, torch.Tensor]:
-    """CV(importance), CV(load) and max/mean load: the seeds' Table 6 balance columns (0 when empty)."""
+    """CV(importance), CV(load) and max/mean load: Shazeer et al. (2017), Table 6 (0 when empty)."""
     mean_load = load.mean()
     return {
         "cv_importance": _cv(importance),

@@ -1,12 +1,12 @@
 """Top-k selection helpers and load-balancing losses for the from-scratch MoE.
 
 Everything here is a pure tensor function so gates, the layer, the simulator and the tests
-share one implementation of each formula (SEED_SPEC sections 2-5):
+share one implementation of each formula (Shazeer et al. 2017; Fedus et al. 2021; Zoph et al. 2022):
 
 * ``keep_top_k``: Shazeer's KeepTopK, non-top-k entries set to a literal ``-inf`` so the
   following softmax gives exact zeros (a finite mask value would leak ``exp(m) > 0``).
 * ``cv_squared``: squared coefficient of variation with the *population* std (ddof=0); this
-  is the convention that reproduces the seeds' toy number ``CV^2([25, 10, 1]) = 0.6806``.
+  is the convention that gives the worked toy value ``CV^2([25, 10, 1]) = 0.6806``.
 * ``kth_excluding`` / ``prob_in_top_k``: the smooth load estimator
   ``P(x, i) = Phi((clean_i - kth_excluding(H, k, i)) / noise_std_i)``.
 * ``importance_loss`` / ``load_loss``: ``CV(Importance)^2`` and ``CV(Load)^2``.
@@ -61,7 +61,7 @@ def keep_top_k_with_indices(v: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def cv_squared(v: Tensor, eps: float = 1e-10) -> Tensor:
     """Squared coefficient of variation ``var(v) / mean(v)^2`` with the population variance (ddof=0).
 
-    The seeds never state the std convention; ddof=0 is the one that matches their worked toy
+    The papers never state the std convention; ddof=0 is the one that matches the worked toy
     value (CV^2([25,10,1]) = 98/144 = 0.6806; ddof=1 would give 1.0208). ``eps`` keeps an all-zero
     vector finite. A vector with fewer than two entries has no spread and returns 0.
     """

@@ -1,6 +1,6 @@
-"""Switch Transformer top-1 routing with expert capacity (SEED_SPEC section 4, steps 1-8).
+"""Switch Transformer top-1 routing with expert capacity (Fedus et al. 2021), in steps 1-8.
 
-Follows the seeds' reference mechanics (Mesh-TensorFlow ``_rand_1_gating`` conventions):
+Follows the reference mechanics of Mesh-TensorFlow's ``_rand_1_gating``:
 
 1. float32, bias-free router ``logits = x @ W_r``; non-finite logits raise
    ``ValueError("router logits overflowed float32")``; ``probabilities = softmax(logits)``.
@@ -50,7 +50,7 @@ def switch_capacity(tokens: int, experts: int, capacity_factor: float, minimum: 
     """Expert capacity ``max(minimum, min(tokens, int(tokens * capacity_factor / experts)))``.
 
     The pinned Mesh-TensorFlow convention: floor, then clamp to the token count, then the minimum
-    (the seeds' reduced reference uses minimum 1 instead of upstream's 4).
+    (minimum 1 here by default instead of upstream's 4, so tiny batches keep a slot).
     """
     for name, value in (("tokens", tokens), ("experts", experts), ("minimum", minimum)):
         if isinstance(value, bool) or not isinstance(value, int):
