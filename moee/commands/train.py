@@ -20,10 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--config", required=True, help="training config (JSON; see moee/moe/README_TRAINING.md)")
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.dir"
     )
-    p.add_argument(
+    mode.add_argument(
         "--overwrite",
         action="store_true",
         help="start a fresh run in a checkpoint.dir that holds an earlier run, deleting its checkpoints and log",
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from moee.moe.trainer import NonFiniteTrainingError, RunDirectoryNotEmptyError, TrainerWarning, train
 
-    def show(message, category, *_args, **_kwargs) -> None:
+    def show(message: Warning | str, category: type[Warning], *_args, **_kwargs) -> None:
         print(f"moee train: warning: {message}", file=sys.stderr)
 
     try:

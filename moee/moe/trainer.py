@@ -132,6 +132,12 @@ RESUME_SAFE_KEYS: dict[str, str] = {
     "model.max_position_embeddings": "declared context length (>= data.seq_len); RoPE keeps no table",
 }
 
+# model keys `_build_model` fills from the tokenizer or data.seq_len when the config leaves them out
+_TOKENIZER_DEFAULTS = {
+    f"model.{k}"
+    for k in ("vocab_size", "eos_token_id", "bos_token_id", "pad_token_id", "max_position_embeddings")
+}
+
 
 def load_config(source: str | os.PathLike | dict) -> dict:
     """Read a training config (path or dict), fill defaults, and validate names and types."""
@@ -589,13 +595,6 @@ def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int,
             "(or replace this one with --overwrite)"
         )
     return total, accepted
-
-
-# model keys `_build_model` fills from the tokenizer or data.seq_len when the config leaves them out
-_TOKENIZER_DEFAULTS = {
-    f"model.{k}"
-    for k in ("vocab_size", "eos_token_id", "bos_token_id", "pad_token_id", "max_position_embeddings")
-}
 
 
 def _calibration_step(cfg: dict) -> int:
