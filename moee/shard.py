@@ -259,13 +259,14 @@ def embed_shard(
     *,
     field: str | None = None,
     chunk_size: int = 4096,
-    metadata: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     progress: bool | None = None,
 ) -> Path | None:
     """Embed this process' rows of ``input_path`` into ``out_dir``; ``None`` if already done.
 
     ``settings`` (everything that changes the numbers) goes into the manifest and every
-    sidecar; ``metadata`` adds sidecar-only facts (resolved model path, batch size).
+    sidecar; ``metadata`` adds sidecar-only facts (resolved model path, batch size), or is a
+    callable giving them once every row is embedded (e.g. the number of truncated texts).
     """
     if prepare_shard_dir(out_dir, input_path, info, settings, field=field):
         return None
@@ -273,11 +274,12 @@ def embed_shard(
     sidecar_path(npy).unlink(missing_ok=True)  # a stale sidecar must never describe the new rows
     counter = _Counter(read_texts(input_path, field=field))
     own = (text for _, text in select_rows(counter, info.rank, info.world))
-    meta: dict[str, Any] = {**settings, **(metadata or {}), **run_metadata(), "shard": info.name}
+    meta: dict[str, Any] = {**settings, **run_metadata(), "shard": info.name}
 
     def finish(count: int) -> dict[str, Any]:
         rows = {"start": info.rank, "step": info.world, "count": count}
-        return {**meta, "input_rows": counter.count, "rows": rows, "complete": True}
+        facts = (metadata() if callable(metadata) else metadata) or {}
+        return {**meta, **facts, "input_rows": counter.count, "rows": rows, "complete": True}
 
     return embed_stream(encode, own, npy, finish, chunk_size=chunk_size, progress=progress)
 
@@ -348,6 +350,8 @@ def merge_shards(
         write_json_atomic(manifest_path, {**manifest, _MERGE_RECORD: record})
     per_file = ("shard", "rows", "complete", "shape", "format", "array_dtype", "data_sha256")
     keep = {k: v for k, v in metas[0].items() if k not in per_file}
+    if all("truncated_texts" in m for m in metas):
+        keep["truncated_texts"] = sum(int(m["truncated_texts"]) for m in metas)
     meta = {
         **keep,
         **run_metadata(),

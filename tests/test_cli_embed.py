@@ -244,3 +244,83 @@ def test_search_reloads_the_model_in_the_recorded_dtype(tmp_path, corpus, model_
     argv = ["search", "--embeddings", str(out), "--texts", str(corpus), "--query", TEXTS[0], "-k", "1"]
     assert main(argv) == 0
     assert seen == ["bfloat16"]
+
+
+def test_bad_out_paths_are_refused_before_the_model_loads(tmp_path, corpus, model_dir, monkeypatch, capsys):
+    import moee.commands.embed as embed_command
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(embed_command, "load_embedder", no_loading)
+    (tmp_path / "dir.npy").mkdir()
+    (tmp_path / "plain").write_text("a file, not a directory")
+    argv = ["embed", str(corpus), "--model", model_dir, "--out"]
+    assert main([*argv, str(tmp_path / "dir.npy")]) == 2
+    assert "dir.npy is a directory" in capsys.readouterr().err
+    assert main([*argv, str(tmp_path / "plain" / "e.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "plain" in err
+    (tmp_path / "old.npy").write_bytes(b"precious")
+    assert main([*argv, str(tmp_path / "old.npy")]) == 2
+    assert "old.npy already exists; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "old.npy").read_bytes() == b"precious"
+    assert main([*argv, str(tmp_path / "plain"), "--sharded"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main([*argv, str(tmp_path / "old.npy"), "--overwrite"]) == 0
+    assert read_embeddings(tmp_path / "old.npy")[0].shape == (len(TEXTS), 80)
+
+
+def test_merge_refuses_to_overwrite(tmp_path, corpus, model_dir, capsys):
+    out_dir = tmp_path / "shards"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out_dir), "--sharded"]) == 0
+    target = tmp_path / "merged.npy"
+    target.write_bytes(b"precious")
+    assert main(["embed", "--merge", str(out_dir), "--out", str(target)]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["embed", "--merge", str(out_dir), "--out", str(target), "--overwrite"]) == 0
+    np.testing.assert_array_equal(np.load(target), np.load(out_dir / "embeddings.npy"))
+
+
+def test_truncated_texts_of_every_chunk_are_counted_in_the_sidecar(tmp_path, model_dir, capsys):
+    long = " ".join(["cat"] * 600)  # longer than the tiny model's 512 positions
+    corpus = tmp_path / "long.txt"
+    corpus.write_text("\n".join([long, "rain", long, "sun", long]) + "\n")
+    out = tmp_path / "e.npy"
+    # chunks of 2: the same warning in chunks 1 and 2 would be shown once by Python's warning filter
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--chunk-size", "2"]) == 0
+    assert read_embeddings(out)[1]["truncated_texts"] == 3
+    assert "3 of 5 texts were truncated" in capsys.readouterr().err
+    shards = tmp_path / "shards"
+    argv = [
+        "embed",
+        str(corpus),
+        "--model",
+        model_dir,
+        "--out",
+        str(shards),
+        "--sharded",
+        "--chunk-size",
+        "1",
+    ]
+    assert main([*argv, "--num-shards", "2", "--shard-rank", "1", "--no-merge"]) == 0
+    assert main([*argv, "--num-shards", "2", "--shard-rank", "0"]) == 0
+    assert read_embeddings(shards / "embeddings.npy")[1]["truncated_texts"] == 3
+
+
+def test_search_output_escapes_control_characters(tmp_path, model_dir, capsys):
+    corpus = tmp_path / "c.jsonl"
+    nasty = "red \x1b[31malert\x1b[0m bell\x07 two\nlines \u202eevil"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in [nasty, "rain at night"]) + "\n")
+    emb = tmp_path / "c.npy"
+    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(emb)]) == 0
+    capsys.readouterr()
+    argv = ["search", "--embeddings", str(emb), "--texts", str(corpus), "--query", nasty, "-k", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert len(out.splitlines()) == 3  # the query line and one line per hit
+    assert "red \\x1b[31malert" in out
+    assert main([*argv, "--json"]) == 0  # JSON escapes them itself, and keeps the text exact
+    assert json.loads(capsys.readouterr().out)["results"][0]["text"] == nasty

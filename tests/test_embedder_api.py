@@ -254,3 +254,14 @@ def test_concurrent_encode_from_threads_equals_serial(emb):
         for got, want in zip(out[-1], expected_routes, strict=True):
             np.testing.assert_array_equal(got, want)
     assert sum(len(m._forward_hooks) for m in emb.model.modules()) == 0
+
+
+def test_last_truncation_counts_the_texts_each_call_truncated(emb):
+    short = MoEEmbedder(emb.model, emb.tokenizer, max_length=5)
+    for _ in range(2):  # the same count again: Python would not show the same warning twice
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            short.encode([TEXTS[0], "rain", TEXTS[4]], method="rw")
+        assert short.last_truncation == 2
+    short.encode(["rain"], method="rw")
+    assert short.last_truncation == 0

@@ -20,6 +20,7 @@ rerun after a crash resumes, skipping complete shards::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -79,6 +80,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         required=True,
         help="output .npy (or, with --sharded, a directory; with --merge, the merged .npy)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out .npy (without it an existing output is an error)",
     )
     add_model_arguments(p)
     p.add_argument(
@@ -233,12 +239,78 @@ def _log(msg: str) -> None:
     print(f"moee embed: {msg}", file=sys.stderr)
 
 
+class _CountingEncoder:
+    """The encoder plus the number of texts it truncated, summed over calls (chunks).
+
+    The embedder warns per call, and Python shows the same warning only once per place, so the
+    count of later chunks would be lost; it is read from ``last_truncation`` after every call.
+    """
+
+    def __init__(self, embedder: Any, settings: dict[str, Any], batch_size: int) -> None:
+        self.embedder = embedder
+        self.encode = make_encoder(embedder, settings, batch_size)
+        self.truncated = 0
+
+    def __call__(self, texts: list[str]) -> Any:
+        vectors = self.encode(texts)
+        self.truncated += int(getattr(self.embedder, "last_truncation", 0) or 0)
+        return vectors
+
+    def report(self, rows: int) -> None:
+        if self.truncated:
+            _log(
+                f"{self.truncated} of {rows} texts were truncated to {self.embedder.max_length} tokens "
+                "(recorded in the sidecar as truncated_texts)"
+            )
+
+
+def check_output_file(path: str | Path, *, overwrite: bool) -> Path:
+    """Refuse an output .npy that could not be written, before any work is done.
+
+    A directory, an existing file (unless ``overwrite``) and a parent that cannot be created or
+    written to are errors naming the path; the check writes and removes a probe file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"--out {path} is a directory; give the path of a .npy file")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"--out {path} already exists; pass --overwrite to replace it")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write --out {path}: {exc.strerror or exc} ({exc.filename or path.parent})"
+        ) from None
+    return path
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """Refuse a shard directory that is a file or cannot be written, before any work is done."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"with --sharded, --out {path} is a file, not a directory")
+    probe = path / f".probe.{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write to --out {path}: {exc.strerror or exc} ({exc.filename or path})"
+        ) from None
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     from moee import shard
 
     if args.merge is not None:
         if args.input is not None or args.sharded:
             raise ValueError("--merge DIR takes no INPUT and no --sharded; it only merges existing shards")
+        check_output_file(args.out, overwrite=args.overwrite)
         out = shard.merge_shards(args.merge, args.out)
         _log(f"merged {args.merge} into {out}")
         return 0
@@ -256,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--out must be a .npy file (got {args.out}); use --sharded to write a directory"
             )
+        check_output_file(args.out, overwrite=args.overwrite)
         embedder = load_from_args(args)
         meta = {
             **settings,
@@ -264,31 +337,42 @@ def run(args: argparse.Namespace) -> int:
             "field": args.field,
             **run_metadata(),
         }
+        encoder = _CountingEncoder(embedder, settings, batch_size)
         out = shard.embed_stream(
-            make_encoder(embedder, settings, batch_size), texts, args.out, meta, chunk_size=chunk_size
+            encoder,
+            texts,
+            args.out,
+            lambda rows: {**meta, "truncated_texts": encoder.truncated},
+            chunk_size=chunk_size,
         )
-        _log(f"wrote {out} {tuple(read_metadata(out)['shape'])}")
+        shape = tuple(read_metadata(out)["shape"])
+        encoder.report(shape[0])
+        _log(f"wrote {out} {shape}")
         return 0
 
     info = shard.shard_info(args.shard_rank, args.num_shards)
     out_dir = Path(args.out)
     if out_dir.suffix == ".npy":
         raise ValueError(f"with --sharded, --out is a directory, got {out_dir}")
+    check_output_dir(out_dir)
     if shard.prepare_shard_dir(out_dir, args.input, info, settings, field=args.field):
         _log(f"{info.name} is already complete in {out_dir}; skipping it")
     else:
         device = args.device or (None if args.device_map else shard.default_device(info))
         embedder = load_from_args(args, device=device)
+        encoder = _CountingEncoder(embedder, settings, batch_size)
+        facts = _run_facts(embedder, batch_size)
         written = shard.embed_shard(
-            make_encoder(embedder, settings, batch_size),
+            encoder,
             args.input,
             out_dir,
             info,
             settings,
             field=args.field,
             chunk_size=chunk_size,
-            metadata=_run_facts(embedder, batch_size),
+            metadata=lambda: {**facts, "truncated_texts": encoder.truncated},
         )
+        encoder.report(int(read_metadata(written)["rows"]["count"]))
         _log(f"wrote {written}")
     if info.rank == 0 and args.auto_merge:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,24 @@ def corpus_texts(path: str | Path, ids: set[int], *, field: str | None, expected
             f"{path} has {n} texts but the embeddings have {expected_rows} rows: they are not the same corpus"
         )
     return found
+
+
+_UNSAFE = ("Cc", "Cf", "Zl", "Zp")  # control, format (incl. bidi overrides), line/paragraph separators
+_JOINERS = "\u200c\u200d"  # zero-width (non-)joiners: part of emoji and Indic/Persian text, harmless
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal, on one line: control and format characters (escape sequences,
+    bell, newlines, bidi overrides) are shown as ``\\xNN`` / ``\\uNNNN`` escapes instead of being
+    interpreted. The ``--json`` output keeps the exact text (JSON escapes them itself)."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(ch) in _UNSAFE and ch not in _JOINERS
+        else ch
+        for ch in text
+    )
 
 
 def _queries(args: argparse.Namespace) -> list[str]:
@@ -129,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             out.write(json.dumps({"query": query, "results": hits}, ensure_ascii=False) + "\n")
         else:
-            out.write(f"query: {query}\n")
+            out.write(f"query: {printable(query)}\n")
             for hit in hits:
-                out.write(f"  {hit['rank']:>3}. {hit['score']:.4f}  [{hit['id']}]  {hit['text']}\n")
+                out.write(
+                    f"  {hit['rank']:>3}. {hit['score']:.4f}  [{hit['id']}]  {printable(hit['text'])}\n"
+                )
     return 0

@@ -152,6 +152,7 @@ class MoEEmbedder:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self._lock = model_lock(model)
+        self._calls = threading.local()  # per-thread facts about the last call (last_truncation)
         self.routers = find_routers(model)
         sizes = sorted({r.n_experts for r in self.routers})
         if len(sizes) != 1:
@@ -262,6 +263,15 @@ class MoEEmbedder:
 
         return input_device(self.model)
 
+    @property
+    def last_truncation(self) -> int:
+        """Texts the calling thread's last ``encode``/``trace`` truncated to ``max_length``.
+
+        A count per call: Python shows the same warning only once per place, so callers that embed
+        in chunks (``moee embed``) sum this instead of relying on the warnings.
+        """
+        return getattr(self._calls, "truncated", 0)
+
     def output_dim(self, method: str) -> int:
         """Width of ``method``'s vectors for this model."""
         return output_dim(method, self.hidden_size, self.n_moe_layers, self.n_experts)
@@ -275,6 +285,7 @@ class MoEEmbedder:
         encoded, cut = tokenize_prompts(self.tokenizer, texts, template, self.max_length, side=side)
         out = [ids or list(self._empty_ids) for ids in encoded]
         n_long = sum(1 for c in cut if c)
+        self._calls.truncated = n_long
         if n_long:
             lost = [c for c in cut if c]
             warnings.warn(
@@ -333,6 +344,7 @@ class MoEEmbedder:
         hs = np.zeros((n, self.hidden_size), dtype=np.float32)
         hs_all = None
         with self._lock:  # a fast tokenizer's settings are shared state too
+            self._calls.truncated = 0
             seqs = self._tokenize(texts, template)
         order = sorted(range(n), key=lambda i: -len(seqs[i]))  # longest first: memory errors show early
         with (
