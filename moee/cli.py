@@ -32,7 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        FileNotFoundError,
+        IsADirectoryError,
+        NotADirectoryError,
+        FileExistsError,
+    ) as exc:
         print(f"moee {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
