@@ -106,6 +106,28 @@ def test_split_with_all_experts_reproduces_dense(family, shared_neurons):
     assert max_diff(outputs(moe, IDS), ref) <= TOL
 
 
+def test_split_with_central_shared_neurons_and_mlp_biases_reproduces_dense():
+    """Llama with ``mlp_bias=True`` (biases on gate, up and down) and the "central" shared selection."""
+    dense = dense_model("llama", mlp_bias=True)
+    assert dense.model.layers[0].mlp.up_proj.bias is not None
+    ref = outputs(dense, IDS)
+    for mode, kwargs in (
+        ("split", dict(top_k=4, shared_neurons=8, shared_select="central")),
+        ("copy", dict(top_k=2)),
+    ):
+        moe = upcycle(dense_model("llama", mlp_bias=True), n_experts=4, mode=mode, **kwargs)
+        assert max_diff(outputs(moe, IDS), ref) <= TOL, mode
+
+
+def test_shared_neuron_selections_differ():
+    dense = dense_model("gpt2")
+    ffn = family_rule("gpt2").read(dense.transformer.h[0])
+    norm, central = select_shared_neurons(ffn, 8, "norm"), select_shared_neurons(ffn, 8, "central")
+    assert len(norm) == len(central) == 8 and not torch.equal(norm, central)
+    scores = ffn.w_act.norm(dim=1) * ffn.w_down.norm(dim=0)
+    assert scores[norm].min() >= torch.sort(scores).values[-8]  # the 8 largest
+
+
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize(("top_k", "shared_copy"), [(1, False), (2, False), (1, True)])
 def test_copy_with_any_routing_reproduces_dense(family, top_k, shared_copy):
@@ -300,3 +322,11 @@ def test_cli_upcycle_writes_a_loadable_model(tmp_path, capsys):
         == 2
     )
     assert "not divisible by n_experts=5" in capsys.readouterr().err
+
+
+def test_upcycled_decoder_generates_like_the_dense_model():
+    dense = dense_model("llama")
+    moe = upcycle(dense_model("llama"), n_experts=4, top_k=4, mode="split")
+    prompt = IDS[:1]
+    ref = dense.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(moe.generate(prompt, max_new_tokens=5, do_sample=False), ref)

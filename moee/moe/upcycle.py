@@ -41,6 +41,7 @@ from moee.moe.upcycled import (
 __all__ = [
     "ROUTER_INITS",
     "SHARED_SELECTIONS",
+    "balanced_assign",
     "balanced_kmeans",
     "select_shared_neurons",
     "split_neurons",
@@ -52,41 +53,57 @@ ROUTER_INITS = ("centroid", "random", "zero")
 SHARED_SELECTIONS = ("norm", "central")
 
 
+def balanced_assign(dist: torch.Tensor, size: int) -> torch.Tensor:
+    """Assign each of ``n`` points to one of ``C`` clusters, exactly ``size`` points per cluster.
+
+    ``dist [n, C]`` (``n == C * size``). In rounds, every unassigned point proposes to its nearest
+    cluster that still has room, and each cluster accepts its closest proposers up to its room
+    (a vectorised form of the greedy "closest pair first" balanced assignment of MoEfication).
+    Every round fills at least one cluster or places every proposer, so at most ``C`` rounds.
+    """
+    n, n_clusters = dist.shape
+    if n != n_clusters * size:
+        raise ValueError(f"{n} points cannot fill {n_clusters} clusters of {size}")
+    labels = torch.full((n,), -1, dtype=torch.long)
+    room = torch.full((n_clusters,), size, dtype=torch.long)
+    while True:
+        free = torch.nonzero(labels < 0).squeeze(1)
+        if free.numel() == 0:
+            return labels
+        d = dist[free].masked_fill((room == 0).unsqueeze(0), float("inf"))
+        best, choice = d.min(dim=1)
+        order = torch.argsort(best, stable=True)
+        order = order[torch.argsort(choice[order], stable=True)]  # by cluster, closest first
+        ranked = choice[order]
+        start = torch.searchsorted(ranked, ranked, side="left")
+        rank = torch.arange(len(order)) - start
+        accept = order[rank < room[ranked]]
+        labels[free[accept]] = choice[accept]
+        room -= torch.bincount(choice[accept], minlength=n_clusters)
+
+
 def balanced_kmeans(
     points: torch.Tensor, n_clusters: int, *, n_iter: int = 30, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partition ``points [n, d]`` into ``n_clusters`` clusters of exactly ``n / n_clusters`` points.
 
-    Lloyd iterations whose assignment step is capacity-constrained: all (point, cluster) pairs are
-    visited in order of increasing squared distance and a point joins the first cluster with room
-    left (the greedy balanced assignment MoEfication uses). Initial centroids are ``n_clusters``
-    distinct points drawn with ``seed``. Returns ``(labels [n] long, centroids [n_clusters, d])``,
+    Lloyd iterations whose assignment step is capacity-constrained (:func:`balanced_assign`).
+    Initial centroids are ``n_clusters`` distinct points drawn with ``seed``. Returns ``(labels [n] long, centroids [n_clusters, d])``,
     centroids being the means of the final clusters. Deterministic for a given seed.
     """
     n = points.shape[0]
     if n_clusters < 1 or n % n_clusters:
         raise ValueError(f"{n} points cannot be split into {n_clusters} clusters of equal size")
     size = n // n_clusters
-    x = points.detach().double()
+    x = points.detach().float()
+    sq = x.square().sum(1, keepdim=True)
     gen = torch.Generator().manual_seed(seed)
     centroids = x[torch.randperm(n, generator=gen)[:n_clusters]].clone()
     labels = torch.full((n,), -1, dtype=torch.long)
     for _ in range(n_iter):
-        dist = torch.cdist(x, centroids).pow(2)  # [n, C]
-        order = torch.argsort(dist.reshape(-1), stable=True)
-        new = torch.full((n,), -1, dtype=torch.long)
-        room = [size] * n_clusters
-        left = n
-        for flat in order.tolist():
-            p, c = divmod(flat, n_clusters)
-            if new[p] >= 0 or room[c] == 0:
-                continue
-            new[p] = c
-            room[c] -= 1
-            left -= 1
-            if left == 0:
-                break
-        centroids = torch.stack([x[new == c].mean(0) for c in range(n_clusters)])
+        dist = sq - 2 * x @ centroids.t() + centroids.square().sum(1)  # squared distances [n, C]
+        new = balanced_assign(dist, size)
+        centroids = x.new_zeros(n_clusters, x.shape[1]).index_add_(0, new, x) / size
         if torch.equal(new, labels):
             break
         labels = new
@@ -226,8 +243,8 @@ def upcycle(
             router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * router_std
         else:
             router = torch.zeros(n_experts, ffn.d_model)
-        # copy the dense tensors now: installing the MoE FFN drops the dense modules
-        plans.append((DenseFFN(**{k: _clone(v) for k, v in vars(ffn).items()}), groups, shared, router))
+        # ffn holds (detached) references to the dense tensors: they outlive the replaced modules
+        plans.append((ffn, groups, shared, router))
 
     name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
     config = MoEEUpcycledConfig(
@@ -245,10 +262,6 @@ def upcycle(
         moe.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype)
         moe.load_dense(ffn, groups, shared, router.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype))
     return model.eval()
-
-
-def _clone(value):
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def save_upcycled(
