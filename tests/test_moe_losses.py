@@ -156,3 +156,51 @@ def test_router_z_loss():
     assert torch.allclose(logits.grad, torch.full((5, 8), 2 * math.log(8) / 8 / 5))
     shifted = router_z_loss(torch.full((5, 8), 3.0))
     assert shifted.item() == pytest.approx((3 + math.log(8)) ** 2, rel=1e-6)
+
+
+def test_cv_squared_small_inputs_dtypes_and_two_entries():
+    assert cv_squared(torch.tensor([1.0, 3.0])).item() == pytest.approx(0.25)  # var 1 / mean^2 4
+    assert cv_squared(torch.tensor([25, 10, 1])).item() == pytest.approx(98.0 / 144.0, rel=1e-6)  # ints
+    double = cv_squared(torch.tensor([25.0, 10.0, 1.0], dtype=torch.float64))
+    assert double.dtype == torch.float64 and double.item() == pytest.approx(98.0 / 144.0, rel=1e-12)
+    # eps only guards the all-zero vector: tiny loads stay in [0, true value]
+    tiny = cv_squared(torch.tensor([1e-6, 3e-6])).item()
+    assert 0.0 <= tiny <= 0.25
+
+
+def test_check_k_rejects_non_int_and_bool():
+    with pytest.raises(TypeError, match=r"^k must be an int, got float$"):
+        keep_top_k(H, 2.0)
+    with pytest.raises(TypeError, match=r"^k must be an int, got bool$"):
+        keep_top_k(H, True)
+
+
+def test_error_messages_name_the_shapes():
+    with pytest.raises(ValueError, match=r"^importance_loss expects gates \[N, E\], got shape \(3,\)$"):
+        importance_loss(torch.ones(3))
+    with pytest.raises(
+        ValueError, match=r"^clean_logits, noisy_logits and noise_std must have the same shape"
+    ):
+        prob_in_top_k(CLEAN, H[:3], torch.ones(4), 2)
+    with pytest.raises(ValueError, match=r"^switch_aux_loss expects probs \[T, E\], got shape \(4,\)$"):
+        switch_aux_loss(torch.ones(4), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^expert_index must have shape \[4\], got \(3,\)$"):
+        switch_aux_loss(torch.ones(4, 2) / 2, torch.zeros(3, dtype=torch.long))
+
+
+def test_switch_aux_default_alpha_is_one_percent():
+    probs = torch.full((8, 4), 0.25)
+    assert switch_aux_loss(probs, torch.arange(8) % 4).item() == pytest.approx(0.01, rel=1e-6)
+
+
+def test_router_z_loss_shapes():
+    assert router_z_loss(torch.zeros(8)).item() == pytest.approx(math.log(8) ** 2, rel=1e-6)  # one row
+    assert router_z_loss(torch.zeros(5, 1)).item() == 0.0  # a single expert: logsumexp = 0
+    # [2, 3, 4]: reduced over the last (expert) axis only, then averaged over the 6 rows
+    logits = torch.zeros(2, 3, 4)
+    logits[0, 0] = torch.tensor([math.log(2.0), 0.0, 0.0, 0.0])  # logsumexp = log 5
+    want = (5 * math.log(4) ** 2 + math.log(5) ** 2) / 6
+    assert router_z_loss(logits).item() == pytest.approx(want, rel=1e-6)
+    for bad in (torch.tensor(1.0), torch.zeros(3, 0)):
+        with pytest.raises(ValueError, match=r"^router_z_loss expects logits \[\.\.\., E\], got shape"):
+            router_z_loss(bad)
