@@ -62,6 +62,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 __all__ = [
     "DeepseekV1Config",
+    "DeepseekV1Experts",
     "DeepseekV1ForCausalLM",
     "DeepseekV1Gate",
     "DeepseekV1MoE",
@@ -201,14 +202,41 @@ class DeepseekV1Gate(nn.Module):
         return logits, topk_weight, topk_idx
 
 
+class DeepseekV1Experts(nn.ModuleList):
+    """The routed experts (children ``0 .. E-1``, the original weight names), called like transformers 5
+    expert modules with the router's choice: ``(tokens [N, H], top-k indices [N, k], weights [N, k])``."""
+
+    def __init__(self, config: DeepseekV1Config):
+        super().__init__(
+            DeepseekV1MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        top_k = top_k_index.shape[-1]
+        flat_idx = top_k_index.reshape(-1)
+        flat_weights = top_k_weights.reshape(-1, 1)
+        order = flat_idx.argsort()
+        counts = flat_idx.bincount(minlength=len(self)).tolist()
+        start = 0
+        for expert, count in zip(self, counts):  # one pass per expert that received tokens
+            if count:
+                picks = order[start : start + count]
+                tokens = picks // top_k
+                y = expert(hidden_states[tokens]) * flat_weights[picks]
+                out.index_add_(0, tokens, y.to(out.dtype))
+            start += count
+        return out
+
+
 class DeepseekV1MoE(nn.Module):
     """Routed experts weighted by the gate plus always-on shared experts (no shared-expert gate)."""
 
     def __init__(self, config: DeepseekV1Config):
         super().__init__()
-        self.experts = nn.ModuleList(
-            DeepseekV1MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
-        )
+        self.experts = DeepseekV1Experts(config)
         self.gate = DeepseekV1Gate(config)
         self.shared_experts = (
             DeepseekV1MLP(config, config.moe_intermediate_size * config.n_shared_experts)
@@ -219,21 +247,7 @@ class DeepseekV1MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         _, topk_weight, topk_idx = self.gate(hidden_states)
-        x = hidden_states.reshape(-1, shape[-1])
-        out = torch.zeros_like(x)
-        # One pass per expert that received tokens (as the original's inference path).
-        flat_idx = topk_idx.reshape(-1)
-        order = flat_idx.argsort()
-        counts = flat_idx.bincount(minlength=len(self.experts)).tolist()
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                picks = order[start : start + count]
-                tokens = picks // self.gate.top_k
-                y = expert(x[tokens]) * topk_weight.reshape(-1, 1)[picks]
-                out.index_add_(0, tokens, y.to(out.dtype))
-            start += count
-        out = out.view(shape)
+        out = self.experts(hidden_states.reshape(-1, shape[-1]), topk_idx, topk_weight).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
         return out
