@@ -2,7 +2,8 @@
 # Compare moee's native DeepSeekMoE v1 with the original modeling code (see compare_deepseek_v1.py).
 # Step 1 runs the vendored original code under transformers 4.45 in its own virtual environment
 # ($DS_VENV, default /tmp/ds-venv, built here once with a CPU torch); step 2 runs moee in the
-# current environment (activate the project's venv first). Output: $OUT_DIR/comparison.json.
+# current environment (activate the project's venv first). Output: $OUT_DIR/comparison.json, copied to
+# docs/deepseek_v1_comparison.json.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -21,3 +22,4 @@ fi
 
 "$DS_VENV/bin/python" scripts/compare_deepseek_v1.py reference --out "$OUT_DIR"
 HF_HUB_OFFLINE=1 python scripts/compare_deepseek_v1.py compare --dir "$OUT_DIR"
+cp "$OUT_DIR/comparison.json" docs/deepseek_v1_comparison.json  # the committed record of the measured differences

@@ -29,6 +29,10 @@ NOTES = {
     "inkling_text": "routed experts only (the shared experts' gate columns are not routing)",
     "longcat_flash": "includes zero (identity) experts when configured",
     "moee_lm": "this project's own MoE LM (`moee.moe.lm`), no special case",
+    "deepseek": (
+        "DeepSeekMoE v1 (deepseek-moe-16b), native in `moee.models.deepseek_v1` (no remote code; "
+        "checked against the original code by `scripts/compare_deepseek_v1.sh`); shared experts are not routers"
+    ),
     "llama4_text": "sigmoid of the top-k logits; dense form: sigmoid of all logits",
     "phimoe": "native = dense first stage of sparsemixer",
 }
@@ -109,7 +113,7 @@ def main() -> int:
     lines += [f"- `{name}`: {reason}." for name, reason in UNSUPPORTED.items()]
     lines += [
         "",
-        "Custom-code models (`trust_remote_code=True`, e.g. deepseek-moe-16b) that declare no router outputs "
+        "Custom-code models (`trust_remote_code=True`) that declare no router outputs "
         "use the pattern-based fallback `moee.capture.find_routers_by_pattern` (a `gate`/`router` module with a "
         "`[n_experts, hidden]` weight next to an `experts` ModuleList or fused 3D expert weights); it is tested "
         "on a synthetic custom block, not on the real checkpoints.",
