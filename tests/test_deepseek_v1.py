@@ -277,3 +277,48 @@ def test_unsupported_config_values_are_refused(tmp_path, change, field):
     write_checkpoint(tmp_path, **change)
     with pytest.raises(ValueError, match=field):
         MoEEmbedder.from_pretrained(tmp_path, device="cpu")
+
+
+def test_byte_level_tokenizer_declared_as_llama_keeps_its_pre_tokenizer(tmp_path):
+    """deepseek-moe-16b's tokenizer_config says LlamaTokenizerFast while its tokenizer.json is byte-level
+    BPE; a Llama (Metaspace) pipeline would drop every space, so the loaded tokenizer must encode
+    exactly as the tokenizer.json does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    write_checkpoint(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges = [("Ġ", "w"), ("Ġw", "o"), ("h", "e")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab[bos], vocab[eos] = len(vocab), len(vocab) + 1
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizerFast",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "bos_token": bos,
+                "eos_token": eos,
+                "pad_token": eos,
+                "unk_token": None,
+                "legacy": True,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 4096,
+            }
+        )
+    )
+    emb = MoEEmbedder.from_pretrained(tmp_path, device="cpu")
+    text = "hello world, two words"
+    assert emb.tokenizer(text)["input_ids"] == backend.encode(text).ids
+    assert emb.tokenizer.decode(emb.tokenizer(text, add_special_tokens=False)["input_ids"]) == text
