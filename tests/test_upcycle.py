@@ -322,6 +322,10 @@ def test_cli_upcycle_writes_a_loadable_model(tmp_path, capsys):
         == 2
     )
     assert "not divisible by n_experts=5" in capsys.readouterr().err
+    assert main(argv) == 2  # --out is not empty now
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(argv + ["--overwrite", "--mode", "copy"]) == 0
+    assert AutoConfig.from_pretrained(tmp_path / "moe").upcycle_mode == "copy"
 
 
 def test_upcycled_decoder_generates_like_the_dense_model():

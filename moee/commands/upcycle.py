@@ -55,6 +55,7 @@ def register(subparsers) -> None:
         default=None,
         help="load and save in this dtype",
     )
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
     p.set_defaults(func=run)
 
 
@@ -65,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
     from moee.moe.upcycle import save_upcycled, upcycle
 
+    out_dir = Path(args.out)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not args.overwrite:
+        raise FileExistsError(
+            f"{out_dir} exists and is not an empty directory; pass --overwrite to write into it"
+        )
     model = upcycle(
         args.src,
         n_experts=args.experts,
