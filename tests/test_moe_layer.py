@@ -166,7 +166,7 @@ def test_moe_layer_validates_k():
         MoELayer(8, 4, n_experts=4, k=5)
 
 
-def test_dropped_tokens_counts_switch_capacity_overflow():
+def test_dropped_tokens_counts_switch_capacity_overflow(monkeypatch):
     """32 tokens, 4 experts, capacity factor 0.5 -> capacity int(32 * 0.5 / 4) = 4 slots per expert.
     Choices 20/6/4/2 keep 4 + 4 + 4 + 2 = 14 tokens and drop 18."""
     from moee.moe.switch import SwitchRouter
@@ -177,7 +177,15 @@ def test_dropped_tokens_counts_switch_capacity_overflow():
     choice = torch.tensor([0] * 20 + [1] * 6 + [2] * 4 + [3] * 2)
     x = torch.nn.functional.one_hot(choice[torch.randperm(32)], 4).float()
     layer = MoELayer(4, 8, n_experts=4, k=1, gate=router)
+    work = []
+    run_experts = layer.experts.grouped_forward
+    monkeypatch.setattr(
+        layer.experts,
+        "grouped_forward",
+        lambda xs, counts: work.append(list(counts)) or run_experts(xs, counts),
+    )
     y, aux = layer(x)
+    assert work == [[4, 4, 4, 2]]  # dropped tokens are skipped, not computed with weight 0
     assert aux["dropped_tokens"].item() == 18
     assert aux["load"].tolist() == [4.0, 4.0, 4.0, 2.0]  # the experts' real work after capacity
     assert aux["load_estimate"].tolist() == [20.0, 6.0, 4.0, 2.0]  # the choices, before capacity
@@ -200,3 +208,134 @@ def test_routing_stats_dropped_tokens_are_rows_without_a_real_slot():
     assert stats["load"].tolist() == [1.0, 2.0, 0.0, 0.0]
     stats = routing_stats(probs, indices, 4, token_mask=torch.tensor([1, 1, 1, 0]), slot_mask=slot_mask)
     assert stats["dropped_tokens"].item() == 1
+
+
+# ---------------------------------------------------------------- contracts the other modules rely on
+
+
+def test_grouped_mm_is_used_exactly_for_aligned_float32_cpu():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    x = torch.randn(3, 8)
+    assert layer_mod._use_grouped_mm(Experts(2, 8, 12, "relu"), x)
+    assert not layer_mod._use_grouped_mm(Experts(2, 10, 12, "relu"), torch.randn(3, 10))  # 10 % 4 != 0
+    assert not layer_mod._use_grouped_mm(Experts(2, 8, 10, "relu"), x)
+    assert not layer_mod._use_grouped_mm(Experts(2, 8, 12, "relu").double(), x.double())
+    assert not layer_mod._use_grouped_mm(Experts(2, 8, 12, "relu").double(), x)  # mixed dtypes
+
+
+def test_balance_stats_hand_values_below_one():
+    stats = layer_mod.balance_stats(torch.tensor([0.25, 0.75]), torch.tensor([0.0, 1.0]))
+    assert stats["cv_importance"].item() == pytest.approx(0.5)  # std 0.25 / mean 0.5
+    assert stats["cv_load"].item() == pytest.approx(1.0)
+    assert stats["max_over_mean_load"].item() == pytest.approx(2.0)
+    empty = layer_mod.balance_stats(torch.zeros(3), torch.zeros(3))
+    assert all(v.item() == 0 for v in empty.values())
+
+
+def test_dispatch_edge_cases():
+    torch.manual_seed(3)
+    experts = Experts(3, 4, 4, "relu")
+    x = torch.randn(1, 4)
+    one = dispatch_combine(x, torch.tensor([[0.5]]), torch.tensor([[2]]), experts)  # a single slot
+    torch.testing.assert_close(one, 0.5 * experts.expert_forward(2, x))
+    # weights in another dtype are cast to the activations' dtype
+    y = dispatch_combine(x, torch.tensor([[0.5]], dtype=torch.float64), torch.tensor([[2]]), experts)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, one)
+    with pytest.raises(ValueError, match="expected x"):
+        dispatch_combine(torch.randn(5, 4), torch.ones(5, 2), torch.zeros(5, 1, dtype=torch.long), experts)
+    with pytest.raises(ValueError, match="expected x"):
+        dispatch_combine(torch.randn(5, 2, 4), torch.ones(5, 1), torch.zeros(5, 1, dtype=torch.long), experts)
+
+
+def test_experts_forward_applies_the_slot_mask():
+    torch.manual_seed(2)
+    experts = Experts(4, 6, 4, "relu")
+    x = torch.randn(10, 6)
+    weights, indices = _routing(10, 4, 2, seed=1)
+    mask = torch.rand(10, 2, generator=torch.Generator().manual_seed(5)) > 0.5
+    torch.testing.assert_close(
+        experts(x, weights, indices, mask), _naive(x, weights, indices, experts, mask), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_grouped_forward_on_no_rows(monkeypatch):
+    experts = Experts(3, 4, 4, "relu")
+    for grouped in (True, False):
+        monkeypatch.setattr(layer_mod, "USE_GROUPED_MM", grouped)
+        out = experts.grouped_forward(torch.zeros(0, 4), [0, 0, 0])
+        assert out.shape == (0, 4)
+
+
+def test_experts_validation_defaults_and_init():
+    for bad in ((0, 4, 4), (2, 0, 4), (2, 4, 0)):
+        with pytest.raises(ValueError, match=r"^n_experts, d_model and d_hidden must be positive, got"):
+            Experts(*bad)
+    Experts(1, 1, 1)  # the smallest valid shape
+    default = Experts(2, 4, 4)
+    assert default.activation == "swiglu" and default.w_in.shape == (2, 4, 8)
+    torch.manual_seed(0)
+    big = Experts(4, 64, 100, "relu")
+    assert big.w_in.std().item() == pytest.approx(1 / 8, rel=0.05)
+    assert big.w_out.std().item() == pytest.approx(1 / 10, rel=0.05)
+    big.reset_parameters(std=0.3)
+    assert big.w_in.std().item() == pytest.approx(0.3, rel=0.05)
+    assert big.w_out.std().item() == pytest.approx(0.3, rel=0.05)
+
+
+def test_shared_experts_shape_and_defaults():
+    shared = layer_mod.SharedExperts(3, 4, 5)
+    assert shared.n_shared == 3 and shared.ffn.activation == "swiglu"
+    assert shared.ffn.w_in.shape == (1, 4, 2 * 3 * 5) and shared.ffn.w_out.shape == (1, 3 * 5, 4)
+
+
+def test_router_wrapper_contract():
+    torch.manual_seed(4)
+    layer = MoELayer(8, 4, n_experts=6)
+    router = layer.gate
+    assert router.num_experts == 6 and router.top_k == 2 and layer.k == 2 and layer.d_model == 8
+    # the tag the LM's _init_weights uses to recognise router parameters
+    assert all(getattr(m, "_moee_router_part", None) is True for m in router.gate.modules())
+    logits, weights, indices, _ = router(torch.randn(3, 5, 8))  # any leading shape is flattened
+    assert logits.shape == (15, 6) and weights.shape == indices.shape == (15, 2)
+
+
+def test_moe_layer_constructor_options_reach_the_gate_and_experts():
+    torch.manual_seed(5)
+    default = MoELayer(8, 4, n_experts=4)
+    assert default.shared_experts is None and default.gate.gate.noisy
+    assert default.experts.activation == "swiglu"
+    MoELayer(8, 4, n_experts=4, k=4)  # k == n_experts is allowed
+    with pytest.raises(ValueError, match=r"^n_shared_experts must be >= 0, got -1$"):
+        MoELayer(8, 4, n_experts=4, n_shared_experts=-1)
+    relu = MoELayer(8, 4, n_experts=4, n_shared_experts=2, activation="relu", noisy=False)
+    assert relu.experts.activation == "relu" and relu.shared_experts.ffn.activation == "relu"
+    assert not relu.gate.gate.noisy and relu.gate.gate.w_noise is None
+    x = torch.randn(20, 8)
+    # the balancing weights reach the loss: hand CV^2 of the layer's own statistics (eval: counts)
+    assert default.eval()(x)[1]["loss"].item() == 0.0  # default weights are 0
+    for w_imp, w_load in ((0.5, 0.0), (0.0, 0.7)):
+        layer = MoELayer(8, 4, n_experts=4, noisy=False, w_importance=w_imp, w_load=w_load).eval()
+        _, aux = layer(x)
+
+        def cv2(v):
+            return (((v - v.mean()) ** 2).mean() / v.mean() ** 2).item()
+
+        want = w_imp * cv2(aux["importance"]) + w_load * cv2(aux["load"])
+        assert want > 0 and aux["loss"].item() == pytest.approx(want, rel=1e-5)
+
+
+def test_gate_without_a_loss_gives_a_zero_loss():
+    from moee.moe.gates import GateOutput
+
+    class FixedGate(torch.nn.Module):
+        def forward(self, x):
+            indices = torch.zeros(x.shape[0], 1, dtype=torch.long)
+            weights = torch.ones(x.shape[0], 1)
+            probs = torch.zeros(x.shape[0], 2).scatter(1, indices, weights)
+            return GateOutput(weights=weights, indices=indices, probs=probs, logits=probs, aux={})
+
+    layer = MoELayer(4, 4, n_experts=2, k=1, gate=FixedGate())
+    y, aux = layer(torch.randn(3, 4))
+    assert aux["loss"].shape == () and aux["loss"].item() == 0.0 and "load_estimate" not in aux

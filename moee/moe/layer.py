@@ -248,14 +248,12 @@ def routing_stats(
     """
     with torch.no_grad():
         n_rows = indices.shape[0]
-        if slot_mask is None:
-            slot_mask = torch.ones_like(indices, dtype=torch.bool)
+        slot_mask = torch.ones_like(indices, dtype=torch.bool) if slot_mask is None else slot_mask.bool()
         if token_mask is not None:
             keep = token_mask.reshape(-1).bool()
             probs, indices, slot_mask = probs[keep], indices[keep], slot_mask[keep]
             n_rows = int(keep.sum())
         importance = probs.float().sum(0)
-        slot_mask = slot_mask.bool()
         load = torch.bincount(indices[slot_mask], minlength=n_experts).float()
         return {
             "importance": importance,
