@@ -209,9 +209,28 @@ def reference(out: Path) -> int:
             tensors[f"{prompt}/rw_alone"] = torch.stack(alone_rw).float().contiguous()
             for i, text in enumerate(rendered):
                 tensors[f"{prompt}/ids/{i}"] = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+        model.to(torch.bfloat16)  # informational: the dtype the 16B model is run in
+        for prompt in ("none", "prompteol"):
+            batch = tok(
+                _render(TEXTS, None if prompt == "none" else "prompteol"), padding=True, return_tensors="pt"
+            )
+            mask = batch["attention_mask"]
+            with torch.no_grad():
+                outputs, scores = model.model(
+                    input_ids=batch["input_ids"],
+                    attention_mask=mask,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=False,
+                )
+            tensors[f"bf16/{prompt}/hs"] = outputs.last_hidden_state[:, -1].float().contiguous()
+            tensors[f"bf16/{prompt}/rw"] = scores[:, :, -1, :].float().contiguous()
         save_file(tensors, str(target / "reference.safetensors"))
         moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
-        meta["variants"][variant] = {"moe_layers": moe_layers, "n_layers": config.num_hidden_layers}
+        meta["variants"][variant] = {
+            "moe_layers": moe_layers,
+            "n_layers": config.num_hidden_layers,
+            "attn_implementation": attn,
+        }
         print(f"{variant}: saved {target} (MoE layers {moe_layers})", file=sys.stderr)
     (out / "reference.json").write_text(json.dumps(meta, indent=2))
     return 0
@@ -270,6 +289,20 @@ def compare(directory: Path, atol: float) -> int:
                         diffs[f"{prompt}/{key}/batch{batch_size}/vs_original{suffix or '_padded'}"] = float(
                             np.abs(got - want).max()
                         )
+        # bfloat16 on both sides, same attention kernel, one batch: reported, not held to atol (the
+        # original also rounds its softmax scores to bfloat16; moee takes the softmax in float32).
+        emb16 = moee.MoEEmbedder.from_pretrained(
+            path, device="cpu", dtype=torch.bfloat16, attn_implementation=info["attn_implementation"]
+        )
+        bf16: dict[str, float] = {}
+        for prompt in ("none", "prompteol"):
+            trace = emb16.trace(
+                TEXTS, prompt=None if prompt == "none" else "prompteol", batch_size=len(TEXTS)
+            )
+            for key, got in (("hs", trace.hs), ("rw", trace.rw)):
+                want = ref[f"bf16/{prompt}/{key}"].numpy()
+                bf16[f"{prompt}/{key}"] = float(np.abs(got - want).max())
+                bf16[f"{prompt}/{key}/reference_max_abs"] = float(np.abs(want).max())
         ref_self = max(
             float((ref[f"{p}/{k}"] - ref[f"{p}/{k}_alone"]).abs().max())
             for p in ("none", "prompteol")
@@ -280,6 +313,7 @@ def compare(directory: Path, atol: float) -> int:
             "worst_hs": max(v for k, v in diffs.items() if "/hs/" in k),
             "worst_rw": max(v for k, v in diffs.items() if "/rw/" in k),
             "original_padded_vs_alone": ref_self,
+            "bfloat16_max_abs_diff": bf16,
             "moe_layers": info["moe_layers"],
             "dense_layers": report["dense_layers"],
             "n_experts": emb.n_experts,
@@ -288,6 +322,8 @@ def compare(directory: Path, atol: float) -> int:
         print(
             f"{variant}: max abs diff HS {results['variants'][variant]['worst_hs']:.2e}, "
             f"RW {results['variants'][variant]['worst_rw']:.2e} (original padded vs alone {ref_self:.2e}); "
+            f"bfloat16 HS {max(v for k, v in bf16.items() if k.endswith('/hs')):.2e}, "
+            f"RW {max(v for k, v in bf16.items() if k.endswith('/rw')):.2e}; "
             f"MoE layers {info['moe_layers']}, dense {report['dense_layers']}",
             file=sys.stderr,
         )
