@@ -278,6 +278,21 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
         upcycle(dense_model("llama"), **kwargs)
 
 
+def test_config_defaults_describe_a_model():
+    """``expert_intermediate_size`` defaults from the dense config, so a config alone builds a model."""
+    from moee.moe.upcycled import MoEEUpcycledConfig
+
+    assert MoEEUpcycledConfig().expert_intermediate_size == 11008 // 8  # LlamaConfig() defaults
+    config = MoEEUpcycledConfig(text_config=dense_config("gpt2"), num_experts=4, shared_intermediate_size=8)
+    assert config.expert_intermediate_size == (D_FF - 8) // 4
+    copy = MoEEUpcycledConfig(text_config=dense_config("bert"), num_experts=4, upcycle_mode="copy")
+    assert copy.expert_intermediate_size == D_FF
+    model = AutoModel.from_config(copy)
+    assert isinstance(model, MoEEUpcycledModel) and len(model.moe_ffns()) == 2
+    with pytest.raises(ValueError, match="model_type 'gpt_neox'"):
+        MoEEUpcycledConfig(text_config=GPTNeoXConfig())
+
+
 def test_encoder_upcycle_is_not_a_causal_lm(tmp_path):
     save_upcycled(upcycle(dense_model("bert"), n_experts=2, top_k=1), tmp_path)
     with pytest.raises(ValueError, match="bert is an encoder, not a causal LM: load it with AutoModel"):

@@ -61,6 +61,7 @@ __all__ = [
     "MoEEUpcycledModel",
     "UpcycledExperts",
     "UpcycledMoEFFN",
+    "dense_ffn_width",
     "family_rule",
     "moe_layers",
 ]
@@ -371,7 +372,7 @@ class MoEEUpcycledConfig(PreTrainedConfig):
     num_experts: int = 8
     num_experts_per_tok: int = 2
     upcycle_mode: str = "split"
-    expert_intermediate_size: int = 0
+    expert_intermediate_size: int = 0  # 0: derived from text_config and the mode
     shared_intermediate_size: int = 0
     router_init: str = "random"
     upcycled_from: str | None = None
@@ -385,6 +386,12 @@ class MoEEUpcycledConfig(PreTrainedConfig):
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
             )
         family_rule(self.text_config.model_type)
+        if not self.expert_intermediate_size:  # derive it: the config alone describes the model
+            d_ff = dense_ffn_width(self.text_config)
+            if self.upcycle_mode == "copy":
+                self.expert_intermediate_size = d_ff
+            elif (d_ff - self.shared_intermediate_size) % self.num_experts == 0:
+                self.expert_intermediate_size = (d_ff - self.shared_intermediate_size) // self.num_experts
         if self.expert_intermediate_size < 1:
             raise ValueError(f"expert_intermediate_size must be >= 1, got {self.expert_intermediate_size}")
         # the dense model's tying decides (it owns the embedding and the LM head)
@@ -397,6 +404,13 @@ class MoEEUpcycledConfig(PreTrainedConfig):
     @property
     def num_hidden_layers(self) -> int:
         return int(self.text_config.num_hidden_layers)
+
+
+def dense_ffn_width(config: PreTrainedConfig) -> int:
+    """The dense FFN's hidden width ``d_ff`` from its config (GPT-2: ``n_inner`` or ``4 * n_embd``)."""
+    if config.model_type == "gpt2":
+        return int(config.n_inner or 4 * config.n_embd)
+    return int(config.intermediate_size)
 
 
 def _dense_class(config: PreTrainedConfig, decoder: bool) -> type[PreTrainedModel]:
