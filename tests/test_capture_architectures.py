@@ -17,7 +17,7 @@ import transformers
 
 from moee.capture import find_routers, router_report, supported_architectures
 from moee.capture.oracle import check_architecture
-from moee.capture.registry import MODEL_TYPE_RULES, UNSUPPORTED
+from moee.capture.registry import MODEL_TYPE_RULES, SCORES, SELECTION_FORMATS, UNSUPPORTED
 from moee.capture.tiny import tiny_model
 
 ARCHS = supported_architectures()
@@ -38,6 +38,19 @@ def test_capture_matches_model_router_outputs(model_type):
     assert result.moe_layers >= 1
     assert result.n_layers == result.moe_layers + result.hash_routers + len(result.dense_layers)
     assert result.worst <= 1e-5
+    assert set(result.max_abs_diff) == {
+        f"{s}/{p}/{c}" for s in ("left", "right") for p in ("last", "mean") for c in SCORES
+    } - (
+        {f"{s}/{p}/logits" for s in ("left", "right") for p in ("last", "mean")}
+        if model_type == "gemma4_text"
+        else set()
+    )
+    # The independent check of the scoring rule ran for every architecture (none skipped) ...
+    assert result.native_weight_spread is not None and result.native_weight_spread <= 1e-4
+    # ... the top-k of the selection score is the block's dispatch on every real token ...
+    assert result.selection_agreement == 1.0
+    # ... and the recorded selection is the router's own wherever the router returns one.
+    assert result.selection_returned is (SELECTION_FORMATS.get(result.router_class, "tuple") is not None)
 
 
 def _declaring_model_types() -> set[str]:

@@ -238,3 +238,36 @@ def test_pattern_fallback_accepts_fused_3d_expert_weights():
         ("0.router", 6),
         ("1.router", 6),
     ]
+
+
+# ------------------------------------------------------------------ the router's own selection
+def test_token_selection_is_the_routers_own_choice(olmoe):
+    batch = padded_batch([5, 3], 100, "left", seed=6)
+    seen = {}
+    routers = find_routers(olmoe)
+    handles = [
+        r.router.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[2]))
+        for i, r in enumerate(routers)
+    ]
+    try:
+        rec = _run(olmoe, batch, pooling="tokens")
+    finally:
+        for handle in handles:
+            handle.remove()
+    selection = rec.token_selection()
+    assert selection.shape == (2, 5, 2, 2) and selection.dtype == torch.long
+    assert rec.selection_returned == [True, True]
+    for i in range(2):
+        assert torch.equal(selection[:, :, i], seen[i].reshape(2, 5, 2))
+    # without any returned selection, the top-k of the selection score stands in
+    rec._returned = [None, None]
+    assert rec.selection_returned == [False, False]
+    derived = rec.token_selection()
+    real = batch["attention_mask"].bool()
+    assert torch.equal(derived.sort(-1).values[real], selection.sort(-1).values[real])
+
+
+def test_token_selection_needs_tokens_pooling(olmoe):
+    rec = _run(olmoe, padded_batch([3], 100, "left"))
+    with pytest.raises(RuntimeError, match='needs pooling="tokens"'):
+        rec.token_selection()

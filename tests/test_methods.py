@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from moee.embed.methods import METHODS, POOLINGS, SCORES, combine, output_dim
+from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES, combine, output_dim
 
 
 def _cos(a, b):
@@ -23,7 +23,8 @@ def _data(n=5, d=6, layers=3, experts=4, seed=0):
 def test_constants():
     assert METHODS == ("hs", "rw", "moee_concat", "moee_sum")
     assert POOLINGS == ("last", "mean")
-    assert SCORES == ("softmax", "native", "logits")
+    assert SCORES == ("native", "softmax", "selection", "logits")
+    assert DEFAULT_SCORE == "native"  # the architecture's own rule; "softmax" stays the paper's option
 
 
 def test_hs_and_rw_definitions():

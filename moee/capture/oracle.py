@@ -4,11 +4,12 @@ For one architecture, a tiny random model runs **one** forward on a padded batch
 recorder's hooks and transformers' ``output_router_logits=True``. For every router, the
 distribution the recorder pooled inside its hook must equal the one computed independently
 here from the model's own ``router_logits`` output (rows of the last real token, or the masked
-mean over real tokens), for each score (``softmax``, ``native``, ``logits``) and both padding
-sides. The number of captured layers must equal the number of router outputs the model returns
-(dense layers skipped), and dense + MoE layers must add up to the decoder depth. Finally the native
-rule is checked against the router's own top-k weights where the router returns them
-(:func:`_check_native_weights`).
+mean over real tokens), for each score in ``SCORES`` and both padding sides. The number of
+captured layers must equal the number of router outputs the model returns (dense layers skipped),
+and dense + MoE layers must add up to the decoder depth. Finally the scoring rules are checked
+independently against what every MoE block actually dispatches (:func:`_check_dispatch`): the
+recorded selection and the top-k of the ``selection`` score are the experts the block runs, and the
+weights it gives them are proportional to the native scores, for every architecture (none skipped).
 
 Shared by ``tests/test_capture_architectures.py`` and ``scripts/support_table.py``.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moee.capture.recorder import RoutingRecorder
-from moee.capture.registry import apply_score, find_routers, router_report
+from moee.capture.registry import SCORES, apply_score, find_routers, router_report, selection_bias
 from moee.capture.tiny import tiny_model
 
 __all__ = ["OracleResult", "check_architecture", "padded_batch"]
@@ -43,6 +44,8 @@ class OracleResult:
     n_experts: int
     max_abs_diff: dict[str, float] = field(default_factory=dict)
     native_weight_spread: float | None = None
+    selection_agreement: float | None = None
+    selection_returned: bool | None = None
 
     @property
     def worst(self) -> float:
@@ -73,58 +76,150 @@ def _reference(values: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.
     return torch.stack(rows)
 
 
-def _check_native_weights(model: torch.nn.Module, used: list, vocab: int, model_type: str) -> float | None:
-    """Independent check of the native rule against the router's own routing weights.
+#: Router classes whose block weights each selected expert by a learned per-expert factor on top of
+#: the routing scores (Gemma-4: ``top_k_weights * per_expert_scale[top_k_index]``); divided out.
+_PER_EXPERT_SCALE = {"Gemma4TextRouter": "per_expert_scale"}
 
-    Routers that return ``(logits, top_k_weights, top_k_index, ...)`` weight their selected experts by
-    the native scores, possibly renormalised or scaled: so ``weights / native[index]`` must be the same
-    for every selected expert of a token. Returns the worst relative spread, or ``None`` when the
-    router's output has no such structure (e.g. DBRX returns logits only, Llama-4 its own pair).
+
+def _block_of(model: torch.nn.Module, spec) -> torch.nn.Module | None:
+    """The MoE block holding ``spec``'s router: the nearest ancestor with an ``experts`` child."""
+    modules = dict(model.named_modules())
+    parts = spec.name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        block = modules.get(".".join(parts[:cut]))
+        if block is not None and isinstance(getattr(block, "experts", None), torch.nn.Module):
+            return block
+    return None
+
+
+def _dispatch_from_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(indices [N, k], weights [N, k])`` passed to an experts module, if its call carries them."""
+    values = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    index = next((v for v in values if not v.is_floating_point() and v.dim() == 2), None)
+    if index is None:
+        return None
+    weights = next((v for v in values if v.is_floating_point() and v.shape == index.shape), None)
+    return (index, weights) if weights is not None else None
+
+
+def _dispatch_from_router(router: torch.nn.Module, out) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For the two blocks whose experts get no index tensor, the dispatch as the block uses it, decoded
+    here independently of :func:`moee.capture.registry.read_selection`: Llama-4 multiplies each
+    expert's input by the router's scattered scores (the selected experts are where they are
+    nonzero); JetMoE scatters each expert's output to the tokens ``batch_index`` lists."""
+    name = type(router).__name__
+    if name == "Llama4Router":
+        scores = out[0]
+        chosen = scores > 0
+        k = int(chosen.sum(dim=-1).max())
+        index = torch.where(chosen, torch.arange(scores.shape[-1]).expand_as(scores), scores.shape[-1])
+        index = index.sort(dim=-1).values[:, :k]
+        return index, scores.gather(-1, index.clamp(max=scores.shape[-1] - 1))
+    if name == "JetMoeTopKGating":
+        _, batch_index, gates, expert_size, logits = out
+        n_tokens = logits.shape[0]
+        k = batch_index.numel() // n_tokens
+        experts = torch.repeat_interleave(torch.arange(len(expert_size)), torch.as_tensor(expert_size))
+        order = batch_index.argsort(stable=True)  # each token's k assignments, in expert order
+        return experts[order].reshape(n_tokens, k), gates[order].reshape(n_tokens, k)
+    return None
+
+
+def _sorted_sets(index: torch.Tensor) -> torch.Tensor:
+    return index.sort(dim=-1).values
+
+
+def _check_dispatch(
+    model: torch.nn.Module, used: list, vocab: int, model_type: str
+) -> tuple[float, float, list[bool]]:
+    """Independent checks of the scoring rules against what each MoE block actually dispatches.
+
+    One forward on a padded batch records, per router, the experts and weights the block computes
+    with: the ``(indices, weights)`` its experts module is called with, or for Llama-4 and JetMoE
+    (whose experts get none) the router output the block uses, decoded by
+    :func:`_dispatch_from_router`. Then, on every real token:
+
+    * the selection the recorder keeps (:meth:`RoutingRecorder.token_selection`) is that dispatch;
+    * the top-k of the ``selection`` score is that dispatch;
+    * the dispatch weights are proportional to the captured native scores of the selected experts
+      (``weights / native[index]`` the same for all selected experts of a token, up to
+      renormalisation and scaling; PhiMoE: the top expert's weight equals its native score).
+
+    Returns ``(worst relative spread of the native check, fraction of real tokens where the top-k of
+    the selection score equals the dispatch, per router whether the recorded selection is the one the
+    router returned)``; raises ``AssertionError`` if any check fails or
+    finds nothing to compare.
     """
-    seen: dict[int, tuple] = {}
-    handles = [
-        spec.router.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out))
-        for i, spec in enumerate(used)
-    ]
+    batch = padded_batch([6, 4, 5], vocab, "left", seed=5)
+    mask = batch["attention_mask"].bool()
+    n_rows, width = mask.shape
+    dispatch: dict[int, tuple] = {}
+    handles = []
+    for i, spec in enumerate(used):
+        block = _block_of(model, spec)
+
+        def on_experts(module, args, kwargs, i=i):
+            found = _dispatch_from_call(args, kwargs)
+            if found is not None:
+                dispatch.setdefault(i, found)
+
+        def on_router(module, args, out, i=i):
+            found = _dispatch_from_router(module, out)
+            if found is not None:
+                dispatch[i] = found
+
+        if block is not None:
+            handles.append(block.experts.register_forward_pre_hook(on_experts, with_kwargs=True))
+        handles.append(spec.router.register_forward_hook(on_router))
     try:
-        with torch.no_grad():
-            model(**padded_batch([6, 4], vocab, "left", seed=5), use_cache=False)
+        with RoutingRecorder(model, used, pooling="tokens", score="native") as rec, torch.no_grad():
+            rec.set_batch(batch["attention_mask"])
+            model(**batch, use_cache=False)
+        with RoutingRecorder(model, used, pooling="tokens", score="selection") as sel, torch.no_grad():
+            sel.set_batch(batch["attention_mask"])
+            model(**batch, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    worst = None
+    assert sorted(dispatch) == list(range(len(used))), f"{model_type}: no dispatch seen for some MoE blocks"
+    native, ranked, recorded = rec.token_rw(), sel.token_rw(), rec.token_selection()
+    assert recorded is not None, f"{model_type}: no token selection recorded"
+    worst, agree = 0.0, []
     for i, spec in enumerate(used):
-        out = seen.get(i)
-        if not (isinstance(out, tuple) and len(out) >= 3 and spec.logits_index == 0):
-            continue
-        logits, weights, index = out[0], out[1], out[2]
-        if not (
-            isinstance(index, torch.Tensor)
-            and not index.is_floating_point()
-            and weights.shape == index.shape
-            and logits.shape[-1] == spec.n_experts
-        ):
-            continue
-        native = apply_score(logits.float().reshape(-1, spec.n_experts), "native", spec.rule, spec.router)
-        picked = native.gather(-1, index.reshape(native.shape[0], -1))
-        if spec.rule == "sparsemixer":  # the top expert's weight is the native score itself
-            diff = float((weights.float().reshape(picked.shape)[:, 0] - picked[:, 0]).abs().max())
+        index, weights = dispatch[i]
+        k = index.shape[-1]
+        index = index.reshape(n_rows, width, k)[mask].long()
+        weights = weights.detach().float().reshape(n_rows, width, k)[mask]
+        expected = _sorted_sets(index)
+        assert torch.equal(_sorted_sets(recorded[:, :, i, :k][mask]), expected), (
+            f"{model_type} {spec.name}: recorded selection differs from the block's dispatch"
+        )
+        top = ranked[:, :, i][mask].topk(k, dim=-1).indices
+        agree.append((_sorted_sets(top) == expected).all(dim=-1).float())
+        picked = native[:, :, i][mask].gather(-1, index)
+        scale_name = _PER_EXPERT_SCALE.get(type(spec.router).__name__)
+        if scale_name is not None:
+            weights = weights / getattr(spec.router, scale_name).detach().float()[index]
+        if spec.rule == "sparsemixer":  # the top expert's weight is its native score itself
+            diff = float((weights[:, 0] - picked[:, 0]).abs().max())
             assert diff <= 1e-5, f"{model_type} {spec.name}: sparsemixer weight mismatch ({diff:.2g})"
-            worst = diff if worst is None else max(worst, diff)
+            worst = max(worst, diff)
             continue
-        ratio = weights.float().reshape(picked.shape) / picked
-        keep = (picked > 1e-6).all(dim=-1) & (weights.float().reshape(picked.shape) > 0).all(dim=-1)
-        if not bool(keep.any()):
-            continue
-        ratio = ratio[keep]
+        keep = (picked > 1e-6).all(dim=-1) & (weights > 0).all(dim=-1)
+        assert bool(keep.any()), f"{model_type} {spec.name}: no token with comparable weights"
+        ratio = weights[keep] / picked[keep]
         spread = float(
             ((ratio.max(dim=-1).values - ratio.min(dim=-1).values) / ratio.abs().max(dim=-1).values).max()
         )
         assert spread <= 1e-4, (
-            f"{model_type} {spec.name}: native scores disagree with the router's weights ({spread:.2g})"
+            f"{model_type} {spec.name}: native scores disagree with the block's weights ({spread:.2g})"
         )
-        worst = spread if worst is None else max(worst, spread)
-    return worst
+        worst = max(worst, spread)
+    agreement = float(torch.cat(agree).mean())
+    assert agreement == 1.0, (
+        f"{model_type}: top-k of the selection score matches on {agreement:.1%} of tokens"
+    )
+    return worst, agreement, rec.selection_returned
 
 
 def check_architecture(
@@ -140,15 +235,22 @@ def check_architecture(
 
     # Which declared router produced which entry of the model's router_logits tuple.
     call_order: list[int] = []
+    biases: dict[int, torch.Tensor | None] = {}  # each router's selection-only bias, from its call
+
+    def on_call(module, args, kwargs, out, i):
+        call_order.append(i)
+        biases[i] = selection_bias(module, args, kwargs)
+
     handles = [
-        spec.router.register_forward_hook(lambda *_, i=i: call_order.append(i))
+        spec.router.register_forward_hook(lambda *a, i=i: on_call(*a, i), with_kwargs=True)
         for i, spec in enumerate(declared)
     ]
+    index_of = {spec.name: i for i, spec in enumerate(declared)}
     try:
         for side in ("left", "right"):
             batch = padded_batch(list(lengths), vocab, side)
             for pooling in ("last", "mean"):
-                for score in ("softmax", "native", "logits"):
+                for score in SCORES:
                     call_order.clear()
                     with RoutingRecorder(model, used, pooling=pooling, score=score) as rec, torch.no_grad():
                         rec.set_batch(batch["attention_mask"])
@@ -162,6 +264,7 @@ def check_architecture(
                     assert len(by_name) == len(declared), f"{model_type}: a router ran more than once"
                     assert captured.shape == (len(lengths), len(used), used[0].n_experts), captured.shape
                     for layer, spec in enumerate(used):
+                        bias = biases[index_of[spec.name]]
                         ref = (
                             by_name[spec.name]
                             .detach()
@@ -174,10 +277,10 @@ def check_architecture(
                             ref_scores = (
                                 ref
                                 if score == "softmax"
-                                else apply_score(ref.log(), score, spec.rule, spec.router)
+                                else apply_score(ref.log(), score, spec.rule, spec.router, bias)
                             )
                         else:
-                            ref_scores = apply_score(ref, score, spec.rule, spec.router)
+                            ref_scores = apply_score(ref, score, spec.rule, spec.router, bias)
                         expected = _reference(ref_scores, batch["attention_mask"], pooling)
                         diff = float((captured[:, layer] - expected).abs().max())
                         key = f"{side}/{pooling}/{score}"
@@ -191,7 +294,7 @@ def check_architecture(
             handle.remove()
     moe_layer_ids = {r.layer_index for r in find_routers(model, include_hash=True)}
     assert report["n_layers"] == len(report["dense_layers"]) + len(moe_layer_ids), report
-    native_spread = _check_native_weights(model, used, vocab, model_type)
+    native_spread, selection_agreement, returned = _check_dispatch(model, used, vocab, model_type)
     return OracleResult(
         model_type=model_type,
         model_class=type(model).__name__,
@@ -205,4 +308,6 @@ def check_architecture(
         n_experts=used[0].n_experts,
         max_abs_diff=diffs,
         native_weight_spread=native_spread,
+        selection_agreement=selection_agreement,
+        selection_returned=all(returned),
     )

@@ -2,7 +2,7 @@
 
 Usage (what :class:`moee.embed.embedder.MoEEmbedder` does)::
 
-    with RoutingRecorder(model, pooling="last", score="softmax") as rec:
+    with RoutingRecorder(model, pooling="last") as rec:      # score=DEFAULT_SCORE ("native")
         rec.set_batch(attention_mask)
         model(input_ids=..., attention_mask=attention_mask)
         rw = rec.pooled_rw()      # [B, n_moe_layers, n_experts] float32
@@ -13,6 +13,12 @@ Why hooks pool: ``output_router_logits=True`` / ``output_hidden_states=True`` ke
 sequence length. Here each hook reduces its tensor at once to ``[B, E]`` (or ``[B, d]``), so the
 recorder's memory is independent of the length (``pooling="tokens"`` is the exception by design:
 it exists to give token-level routes).
+
+The router's own choice: with ``pooling="tokens"`` the recorder also keeps each router's selected
+experts per token, read from the router's own output where it returns them
+(:func:`moee.capture.registry.read_selection`) and re-derived as the top-k of the ``selection``
+score only where it returns none (DBRX, pattern-found routers): :meth:`RoutingRecorder.token_selection`
+and :attr:`RoutingRecorder.selection_returned`.
 
 Padding: ``set_batch(attention_mask)`` works for left and right padding; "last" is the last position
 whose mask is 1, "mean" averages the real positions only (``torch.where``, so NaN produced at padded
@@ -29,12 +35,22 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moee.capture.registry import RouterSpec, _decoder_layers, apply_score, backbone, find_routers
+from moee.capture.registry import (
+    DEFAULT_SCORE,
+    SCORES,
+    RouterSpec,
+    _decoder_layers,
+    apply_score,
+    backbone,
+    find_routers,
+    read_selection,
+    selection_bias,
+    selection_scores,
+)
 
-__all__ = ["RoutingRecorder", "POOLINGS", "SCORES"]
+__all__ = ["RoutingRecorder", "POOLINGS", "SCORES", "DEFAULT_SCORE"]
 
 POOLINGS = ("last", "mean", "tokens")
-SCORES = ("softmax", "native", "logits")
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -66,8 +82,9 @@ class RoutingRecorder:
     ``routers`` defaults to :func:`moee.capture.registry.find_routers(model)`. ``pooling`` is
     ``"last"`` (last real token), ``"mean"`` (masked mean over real tokens, of the *scores*, e.g.
     the mean of the per-token softmax) or ``"tokens"`` (keep every token; hidden states are then
-    pooled as "last"). ``score`` is ``"softmax"``, ``"native"`` or ``"logits"`` (see the registry).
-    ``hs_layers=True`` also pools every decoder layer's output (for the paper's all-layers HS).
+    pooled as "last"). ``score`` is one of :data:`SCORES`, by default :data:`DEFAULT_SCORE`
+    (``"native"``, the architecture's own scoring rule; see the registry). ``hs_layers=True`` also
+    pools every decoder layer's output (for the paper's all-layers HS).
     """
 
     def __init__(
@@ -76,7 +93,7 @@ class RoutingRecorder:
         routers: Sequence[RouterSpec] | None = None,
         *,
         pooling: str = "last",
-        score: str = "softmax",
+        score: str = DEFAULT_SCORE,
         hs_layers: bool = False,
     ) -> None:
         if pooling not in POOLINGS:
@@ -106,6 +123,8 @@ class RoutingRecorder:
                 self._handles.append(
                     spec.module.register_forward_hook(self._router_hook(i, spec), with_kwargs=True)
                 )
+                if self.pooling == "tokens" and spec.selection_format is not None:
+                    self._handles.append(spec.router.register_forward_hook(self._selection_hook(i, spec)))
             self._handles.append(self._hs_module.register_forward_hook(self._final_hook))
             for j, layer in enumerate(self._layer_modules):
                 self._handles.append(layer.register_forward_hook(self._layer_hook(j)))
@@ -129,6 +148,8 @@ class RoutingRecorder:
     # ---------------------------------------------------------------- batch state
     def _reset(self) -> None:
         self._rw: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._returned: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._derived: list[torch.Tensor | None] = [None] * len(self.routers)
         self._hs: torch.Tensor | None = None
         self._hs_layers: list[torch.Tensor | None] = [None] * len(self._layer_modules)
 
@@ -201,12 +222,31 @@ class RoutingRecorder:
                     raise RuntimeError(
                         f"router {spec.name} ran twice in one forward pass; call set_batch() before each forward"
                     )
+                bias = (
+                    selection_bias(router, args, kwargs)
+                    if score == "selection" or self.pooling == "tokens"
+                    else None
+                )
                 if self.pooling == "tokens":
-                    self._rw[i] = apply_score(logits, score, rule, router)
+                    self._rw[i] = apply_score(logits, score, rule, router, bias)
+                    if spec.top_k is not None:  # the fallback where the router returns no selection
+                        ranked = selection_scores(logits, rule, router, bias)
+                        self._derived[i] = ranked.topk(spec.top_k, dim=-1).indices
                 elif self.pooling == "last":
-                    self._rw[i] = apply_score(self._pool(logits), score, rule, router)
+                    self._rw[i] = apply_score(self._pool(logits), score, rule, router, bias)
                 else:
-                    self._rw[i] = self._pool(apply_score(logits, score, rule, router))
+                    self._rw[i] = self._pool(apply_score(logits, score, rule, router, bias))
+
+        return hook
+
+    def _selection_hook(self, i: int, spec: RouterSpec):
+        """Keep the router's own top-k indices ``[B, T, k]`` from its output (tokens pooling)."""
+
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            self._require_batch()
+            read = read_selection(spec, output)
+            if read is not None:
+                self._returned[i] = self._as_btx(read[0].detach(), f"{spec.name} selection")
 
         return hook
 
@@ -252,6 +292,28 @@ class RoutingRecorder:
         self._check_complete()
         return torch.stack([t.cpu() for t in self._rw], dim=2)
 
+    @property
+    def selection_returned(self) -> list[bool]:
+        """Per MoE layer, whether :meth:`token_selection` holds the indices the router itself returned
+        (``True``) or the top-k of the ``selection`` score, re-derived because it returned none."""
+        return [t is not None for t in self._returned]
+
+    def token_selection(self) -> torch.Tensor | None:
+        """``[B, T, n_moe_layers, k]`` long on the CPU: the experts each router selected for each token
+        (``pooling="tokens"`` only), in the router's own order. The router's returned indices where it
+        returns them (:attr:`selection_returned`), else the top-k of the ``selection`` score; ``None``
+        when a router neither returns a selection nor declares its ``k``. Layers with fewer than the
+        largest ``k`` are padded with -1. Padded positions hold whatever the router chose for them."""
+        if self.pooling != "tokens":
+            raise RuntimeError('token_selection() needs pooling="tokens"')
+        self._check_complete()
+        chosen = [r if r is not None else d for r, d in zip(self._returned, self._derived, strict=True)]
+        if any(t is None for t in chosen):
+            return None
+        width = max(t.shape[-1] for t in chosen)
+        padded = [torch.nn.functional.pad(t.cpu().long(), (0, width - t.shape[-1]), value=-1) for t in chosen]
+        return torch.stack(padded, dim=2)
+
     def pooled_hs(self) -> torch.Tensor:
         """``[B, hidden]`` float32 on the CPU: the final-norm hidden state, pooled."""
         if self._hs is None:
@@ -270,5 +332,9 @@ class RoutingRecorder:
 
     def kept_bytes(self) -> int:
         """Bytes of the tensors the recorder currently keeps (what the capture-memory benchmark reports)."""
-        kept = [t for t in (*self._rw, self._hs, *self._hs_layers) if t is not None]
+        kept = [
+            t
+            for t in (*self._rw, *self._returned, *self._derived, self._hs, *self._hs_layers)
+            if t is not None
+        ]
         return sum(t.numel() * t.element_size() for t in kept)

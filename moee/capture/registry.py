@@ -11,16 +11,28 @@ Every router found becomes a :class:`RouterSpec`; the hooks of
 :class:`moee.capture.recorder.RoutingRecorder` read the **raw router logits** over all experts
 (before any top-k) from it and turn them into a dense distribution with a scoring rule:
 
-``score="softmax"``  softmax over the logits: the paper's dense routing distribution
-                     (Li & Zhou 2024, eq. for g^(l)), the same for every architecture.
-``score="native"``   the architecture's own scoring function applied densely to all experts
-                     (see :data:`RULES`): sigmoid for DeepSeek-V3-style routers (the
-                     ``e_score_correction_bias`` only changes *which* experts are selected, never
-                     the scores, so it is not added), sqrt-softplus for DeepSeek-V4, the
-                     first-stage masked softmax of PhiMoE's sparsemixer, softmax otherwise
-                     (top-k-then-softmax routers renormalise the *same* softmax over the selected
-                     experts, so their dense form is the full softmax).
-``score="logits"``   the raw logits.
+``score="native"``    (the default, :data:`DEFAULT_SCORE`) the architecture's own scoring
+                      function applied densely to all experts (see :data:`RULES`): the distribution
+                      the model itself computes. Sigmoid for DeepSeek-V3-style, Llama-4 and the
+                      bundled loss-free routers (a selection-only bias such as
+                      ``e_score_correction_bias`` changes *which* experts are chosen, never their
+                      scores, so it is not added), sqrt-softplus for DeepSeek-V4, the first-stage
+                      masked softmax of PhiMoE's sparsemixer, softmax otherwise (top-k-then-softmax
+                      routers renormalise the *same* softmax over the selected experts, so their
+                      dense form is the full softmax). For softmax routers it equals ``softmax``.
+``score="softmax"``   softmax over the logits for every architecture: the paper's dense routing
+                      distribution (Li & Zhou 2024, Section 3, g^(l)). For a sigmoid router this is
+                      a distribution the model never computes; kept as the paper's explicit option.
+``score="selection"`` what the router ranks to choose its top-k, over all experts: the native
+                      scores (the logits for Kolibri, whose bias shifts the logits; the softmax for
+                      PhiMoE, whose top-2 is that of the logits) plus the selection-only bias, with
+                      the experts of groups dropped by group-limited routing (DeepSeek-V2/V3 style)
+                      set below every kept expert (0 where the router itself fills 0). Its top-k is
+                      exactly the router's own choice (:func:`selection_scores`).
+``score="logits"``    the raw logits.
+
+The router's own choice itself (its top-k indices) is read from its output by
+:func:`read_selection`, for every router that returns it (see :data:`SELECTION_FORMATS`).
 
 Deliberate choices (also in the README support table):
 
@@ -52,8 +64,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from moee.embed.methods import DEFAULT_SCORE, SCORES
+
 __all__ = [
+    "DEFAULT_SCORE",
     "RULES",
+    "SCORES",
+    "SELECTION_FORMATS",
     "MODEL_TYPE_RULES",
     "UNSUPPORTED",
     "RouterSpec",
@@ -63,7 +80,10 @@ __all__ = [
     "find_routers",
     "find_routers_by_pattern",
     "router_report",
+    "read_selection",
     "rule_for_model_type",
+    "selection_bias",
+    "selection_scores",
     "supported_architectures",
 ]
 
@@ -79,12 +99,14 @@ class ScoringRule:
 
     ``native(logits, router)`` maps float32 logits ``[..., E]`` to the dense native scores over
     all ``E`` experts; ``router`` is the declared router module (some rules read a parameter
-    from it, e.g. PhiMoE's jitter epsilon).
+    from it, e.g. PhiMoE's jitter epsilon). ``choice(logits, router)``, when set, is what the
+    router ranks before its selection-only bias is added, if that is not the native scores.
     """
 
     name: str
     description: str
     native: Callable[[torch.Tensor, nn.Module], torch.Tensor]
+    choice: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
 
 
 def _softmax(logits: torch.Tensor, router: nn.Module) -> torch.Tensor:
@@ -93,6 +115,10 @@ def _softmax(logits: torch.Tensor, router: nn.Module) -> torch.Tensor:
 
 def _sigmoid(logits: torch.Tensor, router: nn.Module) -> torch.Tensor:
     return torch.sigmoid(logits)
+
+
+def _identity(logits: torch.Tensor, router: nn.Module) -> torch.Tensor:
+    return logits
 
 
 def _sqrt_softplus(logits: torch.Tensor, router: nn.Module) -> torch.Tensor:
@@ -131,6 +157,12 @@ RULES: dict[str, ScoringRule] = {
             _sigmoid,
         ),
         ScoringRule(
+            "sigmoid_logit_bias",
+            "sigmoid per expert; a correction bias on the logits shifts the selection only",
+            _sigmoid,
+            choice=_identity,
+        ),
+        ScoringRule(
             "softmax_bias",
             "softmax over all experts; a correction bias shifts the selection only",
             _softmax,
@@ -140,6 +172,7 @@ RULES: dict[str, ScoringRule] = {
             "sparsemixer",
             "PhiMoE sparsemixer: softmax over the experts within the jitter threshold of the best",
             _sparsemixer,
+            choice=_softmax,  # eval mode: the best expert, then the best of the rest = top-2 of the logits
         ),
     )
 }
@@ -207,7 +240,7 @@ MODEL_TYPE_RULES: dict[str, str] = {
     "minimax_m3_vl_text": "sigmoid_bias",
     "lfm2_moe": "sigmoid_bias",
     "laguna": "sigmoid_bias",
-    "kolibri1": "sigmoid_bias",
+    "kolibri1": "sigmoid_logit_bias",
     "inkling_text": "sigmoid_bias",
     "flint": "sigmoid",
     "llama4_text": "sigmoid",
@@ -260,15 +293,173 @@ def rule_for_model_type(model_type: str | None, router: nn.Module | None = None)
     return "softmax"
 
 
-def apply_score(logits: torch.Tensor, score: str, rule: str, router: nn.Module | None = None) -> torch.Tensor:
-    """Turn float32 router ``logits [..., E]`` into the requested dense scores."""
+#: Routers that fill the experts of dropped groups with 0 (not -inf) before their top-k.
+_ZERO_FILLED_GROUPS = ("AXK2TopkRouter", "DeepseekV2TopkRouter")
+
+
+def _group_limited(scores: torch.Tensor, router: nn.Module | None) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V2/V3 style): only the experts of the ``topk_group`` best of
+    ``num_group`` groups stay eligible. A group's score is its best expert's for DeepSeek-V2's
+    ``group_limited_greedy``, the sum of its best two otherwise, as those routers compute it. Dropped
+    experts get 0 where the router fills 0, else a value below every kept expert (the router's
+    -inf, kept finite so cosine similarities stay defined)."""
+    n_group = getattr(router, "num_group", None)
+    topk_group = getattr(router, "topk_group", None)
+    method = getattr(router, "topk_method", None)
+    if not (isinstance(n_group, int) and isinstance(topk_group, int) and topk_group < n_group):
+        return scores
+    if method not in (None, "group_limited_greedy"):
+        return scores
+    n_experts = scores.shape[-1]
+    grouped = scores.reshape(*scores.shape[:-1], n_group, n_experts // n_group)
+    if method == "group_limited_greedy":
+        group_scores = grouped.amax(dim=-1)
+    else:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    chosen = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, chosen, True)
+    keep = keep.unsqueeze(-1).expand(grouped.shape).reshape(scores.shape)
+    if type(router).__name__ in _ZERO_FILLED_GROUPS:
+        return scores.masked_fill(~keep, 0.0)
+    floor = scores.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True) - 1.0
+    return torch.where(keep, scores, floor)
+
+
+def selection_bias(
+    router: nn.Module | None, args: tuple = (), kwargs: dict | None = None
+) -> torch.Tensor | None:
+    """The selection-only bias ``[E]`` of ``router``, or ``None`` when it has none.
+
+    Looked up where the architectures keep it: a ``selection_bias`` the router declares (this
+    project's loss-free gates), ``e_score_correction_bias`` (DeepSeek-V3 style), Ernie's
+    ``moe_statics``, Zaya's ``balancing_biases``, or, for routers whose MoE block passes the bias in
+    (AFMoE, HY-V3, MiniMax-M2, LFM2-MoE), the router call's second argument (``args`` / ``kwargs``
+    of the forward hook).
+    """
+    holders = (
+        (router, "selection_bias"),
+        (router, "e_score_correction_bias"),
+        (getattr(router, "moe_statics", None), "e_score_correction_bias"),
+        (router, "balancing_biases"),
+    )
+    for holder, name in holders:
+        value = getattr(holder, name, None) if holder is not None else None
+        if isinstance(value, torch.Tensor):
+            return value.reshape(-1)
+    if getattr(router, "use_expert_bias", True) is False:  # LFM2-MoE ignores the bias it is passed
+        return None
+    kwargs = kwargs or {}
+    for name in ("expert_bias", "e_score_correction_bias"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name].reshape(-1)
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dim() == 1:
+        return args[1]
+    return None
+
+
+def selection_scores(
+    logits: torch.Tensor, rule: str, router: nn.Module | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the router ranks to choose its top-k, over all experts (``score="selection"``).
+
+    The rule's choice scores (its native scores unless :class:`ScoringRule` says otherwise) plus the
+    selection-only ``bias`` (see :func:`selection_bias`), then group limiting (:func:`_group_limited`).
+    Its top-k equals the router's own selection on every token of every architecture in
+    ``supported_architectures()`` (tested in ``tests/test_capture_architectures.py``).
+    """
+    scoring = RULES[rule]
+    scores = (scoring.choice or scoring.native)(logits, router)
+    if bias is not None:
+        scores = scores + bias.to(device=scores.device, dtype=scores.dtype)
+    return _group_limited(scores, router)
+
+
+def apply_score(
+    logits: torch.Tensor,
+    score: str,
+    rule: str,
+    router: nn.Module | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Turn float32 router ``logits [..., E]`` into the requested dense scores (see :data:`SCORES`).
+
+    ``bias`` is the router's selection-only bias, used by ``score="selection"`` only.
+    """
     if score == "logits":
         return logits
     if score == "softmax":
         return torch.softmax(logits, dim=-1)
     if score == "native":
         return RULES[rule].native(logits, router)
-    raise ValueError(f"unknown score {score!r}; expected one of: softmax, native, logits")
+    if score == "selection":
+        return selection_scores(logits, rule, router, bias)
+    raise ValueError(f"unknown score {score!r}; expected one of: {', '.join(SCORES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# The router's own selection
+# --------------------------------------------------------------------------------------------
+
+#: Where a router's output holds its own top-k choice, by router class, for the routers whose
+#: output is not the common ``(logits, top_k_weights, top_k_index, ...)`` tuple (format
+#: ``"tuple"``, the default for every router whose logits are output 0):
+#:
+#: * ``None``: the router returns no selection (DBRX returns logits only; its block does the top-k),
+#:   so the selection is re-derived from :func:`selection_scores`;
+#: * ``"scattered"``: Llama-4 returns ``(scores [N, E], logits)``, the scores nonzero only at the
+#:   selected experts;
+#: * ``"grouped"``: JetMoE returns ``(index_sorted_experts, batch_index, batch_gates,
+#:   expert_size, logits)``, the assignments sorted by expert;
+#: * ``"skip_masked"``: Zaya returns the tuple, but with its extra skip expert replaced by index 0
+#:   with weight 0; the skip index (the last router class) is restored.
+SELECTION_FORMATS: dict[str, str | None] = {
+    "DbrxRouter": None,
+    "Llama4Router": "scattered",
+    "JetMoeTopKGating": "grouped",
+    "ZayaRouter": "skip_masked",
+}
+
+
+def _is_index(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool
+
+
+def read_selection(spec: RouterSpec, output: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router's own choice from its forward ``output``: ``(indices [N, k] long, weights [N, k])``
+    with ``N`` the flattened tokens, or ``None`` when the output does not hold it (format ``None``
+    or an output without the expected structure)."""
+    fmt = spec.selection_format
+    if fmt in ("tuple", "skip_masked"):
+        if not (isinstance(output, (tuple, list)) and len(output) >= 3 and _is_index(output[2])):
+            return None
+        weights, index = output[1], output[2]
+        if not (isinstance(weights, torch.Tensor) and weights.shape == index.shape):
+            return None
+        index = index.reshape(-1, index.shape[-1]).long()
+        weights = weights.reshape(index.shape)
+        if fmt == "skip_masked":
+            index = torch.where(weights == 0, torch.full_like(index, spec.n_experts - 1), index)
+        return index, weights
+    if fmt == "scattered":
+        if not (isinstance(output, (tuple, list)) and isinstance(output[0], torch.Tensor) and spec.top_k):
+            return None
+        scores = output[0].reshape(-1, output[0].shape[-1])
+        weights, index = scores.topk(spec.top_k, dim=-1)
+        return index, weights
+    if fmt == "grouped":
+        if not (isinstance(output, (tuple, list)) and len(output) == 5 and _is_index(output[0])):
+            return None
+        order, _, gates, expert_size, logits = output
+        n_tokens = logits.reshape(-1, logits.shape[-1]).shape[0]
+        k = order.numel() // n_tokens
+        experts = torch.repeat_interleave(
+            torch.arange(len(expert_size), device=order.device),
+            torch.as_tensor(expert_size, device=order.device),
+        )
+        index = torch.empty_like(order).scatter_(0, order, experts)
+        weights = torch.empty_like(gates).scatter_(0, order, gates)
+        return index.reshape(n_tokens, k).long(), weights.reshape(n_tokens, k)
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +479,9 @@ class RouterSpec:
     ``"pattern"`` (found by the fallback). ``from_input=True`` makes the hook recompute the logits
     from the module's input and its own ``weight`` (and ``bias``) instead of reading its output;
     the recorder also does this whenever the output at ``logits_index`` is not ``[..., n_experts]``
-    (routers that return only top-k values).
+    (routers that return only top-k values). ``top_k`` is how many experts the router selects per
+    token (``None`` if unknown) and ``selection_format`` where the declared router's output holds
+    that choice (see :data:`SELECTION_FORMATS`; ``None``: it returns none).
     """
 
     name: str
@@ -300,6 +493,8 @@ class RouterSpec:
     kind: str = "mlp"
     router: nn.Module | None = field(default=None, repr=False)
     from_input: bool = False
+    top_k: int | None = None
+    selection_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.router is None:
@@ -380,6 +575,29 @@ def _n_experts(router: nn.Module, logits_module: nn.Module) -> int:
     raise ValueError(f"cannot tell the number of experts of router {type(router).__name__}")
 
 
+_TOP_K_NAMES = (
+    "top_k",
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_top_k",
+    "top_k_experts",
+    "moe_k",
+)
+
+
+def _top_k(router: nn.Module, model: nn.Module) -> int | None:
+    """How many experts ``router`` selects per token: its own attribute, else the (text) config's
+    (DBRX keeps it in ``ffn_config``, Gemma-4 in the router's ``config``)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    for holder in (router, getattr(router, "config", None), text, getattr(text, "ffn_config", None)):
+        for name in _TOP_K_NAMES:
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def _kind(name: str, router: nn.Module) -> str:
     if type(router).__name__ in _HASH_ROUTER_CLASSES:
         return "hash"
@@ -403,7 +621,9 @@ def _declared_routers(model: nn.Module) -> list[RouterSpec]:
             hooked, logits_index = module, 0
         else:
             continue
-        child = _LOGITS_CHILD.get(type(module).__name__)
+        cls_name = type(module).__name__
+        selection_format = SELECTION_FORMATS.get(cls_name, "tuple" if logits_index == 0 else None)
+        child = _LOGITS_CHILD.get(cls_name)
         if child is not None:
             hooked, logits_index = getattr(module, child), None
         found.append(
@@ -416,6 +636,8 @@ def _declared_routers(model: nn.Module) -> list[RouterSpec]:
                 logits_index=logits_index,
                 kind=_kind(name, module),
                 router=module,
+                top_k=_top_k(module, model),
+                selection_format=selection_format,
             )
         )
     return found
@@ -472,6 +694,7 @@ def find_routers_by_pattern(model: nn.Module) -> list[RouterSpec]:
                 logits_index=None,
                 kind="pattern",
                 from_input=True,
+                top_k=_top_k(module, model),
             )
         )
     return found

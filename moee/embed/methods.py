@@ -25,7 +25,15 @@ from moee.embed.validation import check_alpha, check_choice
 
 METHODS = ("hs", "rw", "moee_concat", "moee_sum")
 POOLINGS = ("last", "mean")
-SCORES = ("softmax", "native", "logits")
+#: How router logits become RW (see ``moee.capture.registry``): ``native`` is the architecture's own
+#: scoring rule over all experts (softmax for softmax routers such as OLMoE, Qwen-MoE and Mixtral;
+#: sigmoid for DeepSeek-V3-style and Llama-4 routers), ``softmax`` the dense softmax of the logits
+#: for every architecture (the paper's formula, Section 3), ``selection`` what the router ranks to
+#: pick its top-k (selection-only biases and group limits included), ``logits`` the raw logits.
+SCORES = ("native", "softmax", "selection", "logits")
+#: The score every API, CLI command and evaluation uses unless told otherwise: the distribution the
+#: model itself computes (equal to ``softmax`` for softmax routers, so the paper's models are unchanged).
+DEFAULT_SCORE = "native"
 
 
 def _unit_rows(x: np.ndarray) -> np.ndarray:
