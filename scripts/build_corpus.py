@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moee.data.corpus import build_corpus, manifest_markdown
+from moee.data.offline import OFFLINE_TASKS, task_texts
 from moee.data.sources import TRAINING_SOURCES, DataPaths, reserved_eval_texts
 
 
@@ -30,10 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     paths = DataPaths(debs_dir=args.debs)
     t0 = time.time()
     eval_texts = list(reserved_eval_texts(paths))
+    span_texts = list(dict.fromkeys(t for name in OFFLINE_TASKS for t in task_texts(name)))
     manifest = build_corpus(
         args.out,
         sources=[s for s in args.sources.split(",") if s],
         eval_texts=eval_texts,
+        span_texts=span_texts,
         paths=paths,
         max_words=args.max_words,
         seed=args.seed,
@@ -44,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     t = manifest["totals"]
     print(
-        f"dropped {t['duplicates_dropped']:,} duplicate chunks and {t['eval_matches_dropped']:,} chunks equal to "
-        f"one of {manifest['eval_texts_checked']:,} evaluation texts; wrote {args.out} in {time.time() - t0:.0f} s"
+        f"dropped {t['duplicates_dropped']:,} duplicate chunks, {t['eval_matches_dropped']:,} chunks equal to "
+        f"one of {manifest['eval_texts_checked']:,} evaluation texts and {t['eval_spans_dropped']:,} sharing a "
+        f"long span with one of {len(span_texts):,} offline task texts; wrote {args.out} in {time.time() - t0:.0f} s"
     )
     return 0
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """Build the committed offline evaluation data under moee/data/offline/ from the real sources.
 
-Every task samples only texts that moee/data/exclusions.py reserves for evaluation (so none of
-them is in the training corpus). Deterministic for a given --seed (default 0); needs the packages
-from scripts/install_data_sources.sh and the 'data' extra.
+Every task samples only texts that moee/data/exclusions.py reserves for evaluation and that do not
+leak into any training source (checked against every document of every training source: a run of
+8 shared words, a whole-document copy, or a credit to a training source's author; see LEAK_RULE and
+data/SOURCES.md). Writes each task's files and metadata.json (with its leak counts) and
+leak_check.json (the rule and the hashed spans the sources share with any candidate). Deterministic
+for a given --seed (default 0); needs the packages from scripts/install_data_sources.sh and the
+'data' extra.
 
     python scripts/build_offline_data.py [--out moee/data/offline] [--debs build/debs] [--seed 0]
 """
@@ -23,24 +27,29 @@ from importlib.metadata import version
 from pathlib import Path
 
 import moee
-from moee.data.corpus import find_contained
+from moee.data.corpus import LeakReport, find_leaks
 from moee.data.exclusions import (
     EVAL_BIBLE_BOOKS,
     EVAL_FORTUNE_CATEGORIES,
+    LEAK_MIN_WORDS,
+    LEAK_SPAN_WORDS,
+    TRAINING_AUTHORS,
     is_eval_bible_book,
     is_eval_synset,
+    span_key,
+    span_words,
     text_key,
 )
-from moee.data.offline import OFFLINE_TASKS, OfflineTask
+from moee.data.offline import LEAK_CHECK_FILE, OFFLINE_TASKS, OfflineTask
 from moee.data.sources import (
     KJV_MODULE,
     SOURCES,
+    TRAINING_SOURCES,
     WEB_MODULE,
     DataPaths,
     Fortune,
     Synset,
     Verse,
-    iter_documents,
     iter_fortunes,
     iter_wordnet_synsets,
     read_bible,
@@ -57,21 +66,16 @@ FORTUNE_MIN_CHARS, FORTUNE_MAX_CHARS = 20, 400
 BIBLE_MIN_WORDS, BIBLE_MAX_WORDS = 5, 60
 REUTERS_MAX_WORDS = 256
 
-
-def not_in_training(texts: list[str], sources: tuple[str, ...], paths: DataPaths) -> list[bool]:
-    """For each text, whether it does NOT occur inside a training document of ``sources``.
-
-    The exclusion rules keep evaluation units out of training, but the same wording can recur
-    elsewhere (a gospel verse repeated in another gospel, a fortune quoted inside another, a gloss
-    shared by two synsets); such texts are not used for evaluation.
-    """
-    haystack = (d.text for src in sources for d in iter_documents(src, paths))
-    inside = set(find_contained(texts, haystack))
-    return [i not in inside for i in range(len(texts))]
+LEAK_RULE = (
+    f"left out when it shares a run of {LEAK_SPAN_WORDS} consecutive words with a document of a training source "
+    f"(a text of {LEAK_MIN_WORDS}-{LEAK_SPAN_WORDS - 1} words: all of its words in a row), equals a whole "
+    "document, or is attributed to a training source's author; words normalised (NFKC, casefolded, "
+    "punctuation and line breaks ignored) with closing attributions stripped"
+)
 
 
 @lru_cache(maxsize=1)
-def fortune_pool(paths: DataPaths) -> dict[str, list[Fortune]]:
+def _fortune_candidates(paths: DataPaths) -> dict[str, list[Fortune]]:
     """Short entries of the evaluation categories whose text occurs in exactly one category file."""
     cats_of: dict[str, set[str]] = defaultdict(set)
     entries = list(iter_fortunes(paths=paths))
@@ -89,14 +93,11 @@ def fortune_pool(paths: DataPaths) -> dict[str, list[Fortune]]:
         ):
             seen.add(key)
             pool[f.category].append(f)
-    for cat, entries in pool.items():
-        keep = not_in_training([f.text for f in entries], ("fortunes",), paths)
-        pool[cat] = [f for f, k in zip(entries, keep) if k]
     return pool
 
 
 @lru_cache(maxsize=1)
-def reserved_synsets(paths: DataPaths) -> list[Synset]:
+def _synset_candidates(paths: DataPaths) -> list[Synset]:
     """Reserved noun and verb synsets with a gloss of at least three words, unique glosses."""
     out, seen = [], set()
     for s in iter_wordnet_synsets(("noun", "verb"), paths):
@@ -104,14 +105,12 @@ def reserved_synsets(paths: DataPaths) -> list[Synset]:
         if is_eval_synset(s.pos, s.offset) and len(s.gloss.split()) >= 3 and key not in seen:
             seen.add(key)
             out.append(s)
-    keep = not_in_training([s.gloss for s in out], ("wordnet",), paths)
-    return [s for s, k in zip(out, keep) if k]
+    return out
 
 
 @lru_cache(maxsize=1)
-def aligned_verses(paths: DataPaths) -> list[tuple[Verse, Verse]]:
-    """(KJV, WEB) pairs of the same verse in the reserved books: moderate length, each wording
-    unique, neither wording found in the training Bibles."""
+def _verse_candidates(paths: DataPaths) -> list[tuple[Verse, Verse]]:
+    """(KJV, WEB) pairs of the same verse in the reserved books: moderate length, each wording unique."""
     web = {(v.book, v.chapter, v.verse): v for v in read_bible(WEB_MODULE) if is_eval_bible_book(v.book)}
     pairs, seen = [], set()
     for k in read_bible(KJV_MODULE):
@@ -122,8 +121,87 @@ def aligned_verses(paths: DataPaths) -> list[tuple[Verse, Verse]]:
         if all(BIBLE_MIN_WORDS <= len(v.text.split()) <= BIBLE_MAX_WORDS for v in (k, w)) and not keys & seen:
             seen |= keys  # a repeated verse (same wording twice) would make retrieval ambiguous
             pairs.append((k, w))
-    keep = not_in_training([v.text for pair in pairs for v in pair], ("kjv", "web"), paths)
-    return [p for n, p in enumerate(pairs) if keep[2 * n] and keep[2 * n + 1]]
+    return pairs
+
+
+def _reuters_text(text: str) -> str:
+    return " ".join(text.split()[:REUTERS_MAX_WORDS])
+
+
+def _candidates(paths: DataPaths) -> dict[str, list[str]]:
+    """Every text a task may use, by task (the leak check runs once over all of them)."""
+    fortunes = [f.text for entries in _fortune_candidates(paths).values() for f in entries]
+    synsets = _synset_candidates(paths)
+    verses = [v.text for pair in _verse_candidates(paths) for v in pair]
+    return {
+        "lee_sts": read_lee()[0],
+        "fortunes_classification": fortunes,
+        "reuters_classification": [
+            _reuters_text(t) for split in ("train", "test") for t, _ in read_reuters(split, paths)
+        ],
+        "wordnet_supersense_clustering": [s.gloss for s in synsets],
+        "fortunes_clustering": fortunes,
+        "bible_pair_classification": verses,
+        "bible_verse_retrieval": verses,
+        "wordnet_definition_retrieval": [s.gloss for s in synsets] + [", ".join(s.words) for s in synsets],
+    }
+
+
+@lru_cache(maxsize=1)
+def training_leaks(paths: DataPaths) -> tuple[dict[str, tuple[str, ...]], LeakReport]:
+    """Normalised text key -> the training sources it leaks into, for every candidate text of
+    every task, checked against every training source (``moee.data.corpus.find_leaks``)."""
+    texts = list(dict.fromkeys(t for ts in _candidates(paths).values() for t in ts))
+    report = find_leaks(texts, TRAINING_SOURCES, paths)
+    leaks: dict[str, tuple[str, ...]] = {}
+    for i in sorted(report.leaked()):
+        key = text_key(texts[i])
+        leaks[key] = tuple(dict.fromkeys(leaks.get(key, ()) + tuple(report.sources_of(i))))
+    return leaks, report
+
+
+def leaks_into_training(text: str, paths: DataPaths) -> bool:
+    return text_key(text) in training_leaks(paths)[0]
+
+
+def leak_summary(task: str, paths: DataPaths) -> dict:
+    """How many of a task's candidate texts were left out for leaking, per training source."""
+    leaks = training_leaks(paths)[0]
+    candidates = list(dict.fromkeys(_candidates(paths)[task]))
+    by_source: Counter[str] = Counter()
+    dropped = 0
+    for text in candidates:
+        sources = leaks.get(text_key(text), ())
+        dropped += bool(sources)
+        by_source.update(sources)
+    return {
+        "rule": LEAK_RULE,
+        "candidates": len(candidates),
+        "left_out": dropped,
+        "left_out_by_source": {s: by_source[s] for s in TRAINING_SOURCES if by_source[s]},
+    }
+
+
+@lru_cache(maxsize=1)
+def fortune_pool(paths: DataPaths) -> dict[str, list[Fortune]]:
+    """Fortune candidates that do not leak into any training source."""
+    return {
+        cat: [f for f in entries if not leaks_into_training(f.text, paths)]
+        for cat, entries in _fortune_candidates(paths).items()
+    }
+
+
+@lru_cache(maxsize=1)
+def reserved_synsets(paths: DataPaths) -> list[Synset]:
+    """Synset candidates whose gloss does not leak into any training source."""
+    return [s for s in _synset_candidates(paths) if not leaks_into_training(s.gloss, paths)]
+
+
+@lru_cache(maxsize=1)
+def aligned_verses(paths: DataPaths) -> list[tuple[Verse, Verse]]:
+    """Verse pairs neither of whose wordings leaks into any training source (a gospel verse
+    shares its wording with a parallel in another gospel, a quotation with its source)."""
+    return [p for p in _verse_candidates(paths) if not any(leaks_into_training(v.text, paths) for v in p)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,9 +253,7 @@ def build_reuters_classification(paths: DataPaths, rng: random.Random) -> tuple[
         other = [i for i, (_, lab) in enumerate(rows) if lab == "other"]
         keep = set(rng.sample(other, cap)) | {i for i, (_, lab) in enumerate(rows) if lab != "other"}
         out[f"{split}.jsonl"] = [
-            {"text": " ".join(t.split()[:REUTERS_MAX_WORDS]), "label": lab}
-            for i, (t, lab) in enumerate(rows)
-            if i in keep
+            {"text": _reuters_text(t), "label": lab} for i, (t, lab) in enumerate(rows) if i in keep
         ]
     extra = {
         "labels": ["corn", "grain", "other"],
@@ -292,8 +368,7 @@ def build_wordnet_retrieval(paths: DataPaths, rng: random.Random) -> tuple[dict[
         if text_key(words) not in seen:
             seen.add(text_key(words))
             synsets.append(s)
-    keep = not_in_training([", ".join(s.words) for s in synsets], ("wordnet",), paths)
-    synsets = [s for s, k in zip(synsets, keep) if k]
+    synsets = [s for s in synsets if not leaks_into_training(", ".join(s.words), paths)]
     order = rng.sample(range(len(synsets)), 1600)
     qset = set(order[:400])
 
@@ -324,8 +399,20 @@ BUILDERS: dict[str, Callable[[DataPaths, random.Random], tuple[dict[str, Rows], 
 }
 
 
+def _row_texts(files: dict[str, Rows]) -> list[str]:
+    return [
+        r[k] for rows in files.values() for r in rows for k in ("text", "sentence1", "sentence2") if k in r
+    ]
+
+
 def write_task(
-    task: OfflineTask, out_dir: Path, files: dict[str, Rows], extra: dict, seed: int, command: str
+    task: OfflineTask,
+    out_dir: Path,
+    files: dict[str, Rows],
+    extra: dict,
+    seed: int,
+    command: str,
+    leak_check: dict | None = None,
 ) -> dict:
     d = out_dir / task.name
     d.mkdir(parents=True, exist_ok=True)
@@ -355,6 +442,8 @@ def write_task(
         },
         **extra,
     }
+    if leak_check is not None:
+        meta["leak_check"] = leak_check
     (d / "metadata.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return meta
 
@@ -379,11 +468,46 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name not in OFFLINE_TASKS:
             raise SystemExit(f"unknown task {name!r}; known: {sorted(OFFLINE_TASKS)}")
+    for name in names:
         rng = random.Random(f"{args.seed}:{name}")
         files, extra = BUILDERS[name](paths, rng)
-        meta = write_task(OFFLINE_TASKS[name], args.out, files, extra, args.seed, command.strip())
-        print(f"{name:32s} {meta['family']:20s} {meta['sizes']}")
+        leaked = [t for t in _row_texts(files) if leaks_into_training(t, paths)]
+        if leaked:  # a fixed set (Lee, Reuters) cannot be resampled: its leaks must be dealt with by hand
+            raise SystemExit(
+                f"{name}: {len(leaked)} texts leak into the training sources, e.g. {leaked[0][:80]!r}"
+            )
+        summary = leak_summary(name, paths)
+        meta = write_task(OFFLINE_TASKS[name], args.out, files, extra, args.seed, command.strip(), summary)
+        print(f"{name:32s} {meta['family']:20s} {meta['sizes']} left out {summary['left_out_by_source']}")
+    write_leak_check(args.out / LEAK_CHECK_FILE, paths, command.strip())
     return 0
+
+
+def write_leak_check(path: Path, paths: DataPaths, command: str) -> None:
+    """The committed record of the leak check: its rule, per task the candidates left out per
+    source, and per source the keys of the spans it shares with any candidate (see
+    ``moee.data.offline.committed_leaks``), so the committed data can be re-checked anywhere."""
+    leaks, report = training_leaks(paths)
+    spans = {}
+    for source in TRAINING_SOURCES:
+        keys = {span_key(g) for g in report.spans[source]}
+        for i in report.by_source[source]:  # whole short texts equal to a document
+            words = span_words(report.texts[i])
+            if len(words) < LEAK_SPAN_WORDS:
+                keys.add(span_key(words))
+        spans[source] = sorted(keys)
+    doc = {
+        "rule": LEAK_RULE,
+        "span_words": LEAK_SPAN_WORDS,
+        "min_words": LEAK_MIN_WORDS,
+        "training_authors": {s: list(v) for s, v in TRAINING_AUTHORS.items()},
+        "build_command": command,
+        "candidates": len(report.texts),
+        "candidates_left_out": len(leaks),
+        "left_out_by_task": {name: leak_summary(name, paths)["left_out_by_source"] for name in OFFLINE_TASKS},
+        "spans": spans,
+    }
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from moee.data.corpus import find_contained, iter_corpus
-from moee.data.exclusions import EVAL_BIBLE_BOOKS, EVAL_FORTUNE_CATEGORIES, is_eval_synset, text_key
+from moee.data.corpus import SpanIndex, find_contained, find_leaks, iter_corpus
+from moee.data.exclusions import (
+    EVAL_BIBLE_BOOKS,
+    EVAL_FORTUNE_CATEGORIES,
+    LEAK_MIN_WORDS,
+    LEAK_SPAN_WORDS,
+    attributed_source,
+    is_eval_synset,
+    text_key,
+)
 from moee.data.offline import (
     FAMILIES,
     OFFLINE_TASKS,
     SCHEMAS,
+    committed_leaks,
+    load_leak_check,
     load_task_data,
     load_task_metadata,
+    task_texts,
     tasks_by_family,
 )
+from moee.data.sources import FORTUNES_DIR, TRAINING_SOURCES, DataPaths
 
 CORPUS = Path(__file__).resolve().parents[1] / "build" / "corpus" / "train.jsonl"
 
@@ -125,3 +137,83 @@ def test_no_eval_text_in_training_corpus(data: dict[str, dict]) -> None:
     texts = sorted({t for task in data.values() for t in texts_of(task) if len(t.split()) >= 4})
     leaked = find_contained(texts, (r["text"] for r in iter_corpus(CORPUS)))
     assert [texts[i] for i in leaked] == []
+
+
+# --------------------------------------------------------------------------- leaks across sources
+
+
+@pytest.mark.parametrize("name", sorted(OFFLINE_TASKS))
+def test_no_eval_text_shares_a_long_span_with_any_training_source(name: str) -> None:
+    """Every text of every task is checked against every training source, not only its own: a
+    fortune quoting Shakespeare, a Luke verse repeating Matthew, a gloss shared by two synsets must
+    not be evaluation text (``leak_check.json`` records the spans the sources share with any
+    candidate, so this runs without the sources installed)."""
+    texts = task_texts(name)
+    leaks = committed_leaks(texts)
+    assert {source: [texts[i][:60] for i in ids[:3]] for source, ids in leaks.items()} == {}
+
+
+def test_no_fortune_is_credited_to_a_training_author(data: dict[str, dict]) -> None:
+    for name in ("fortunes_classification", "fortunes_clustering"):
+        credited = [t for t in texts_of(data[name]) if attributed_source(t)]
+        assert credited == [], name
+
+
+def test_the_leak_record_catches_what_it_was_built_for() -> None:
+    """Texts of an earlier build that leaked: a Luke verse that shares its wording with Matthew and
+    Mark, a fortune quoted from the Jargon File with other line breaks and a credit, a quotation
+    credited to Shakespeare."""
+    luke = (
+        "As they were parting from him, Peter said to Jesus, \u201cMaster, it is good for us to be here. "
+        "Let\u2019s make three tents: one for you, one for Moses, and one for Elijah,\u201d not knowing what he said."
+    )
+    kludge = (
+        "Kludge, n.:\n    An ill-assorted collection of poorly-matching parts, forming a\n    distressing whole.\n"
+        '        -- Jackson Granholm, "Datamation"'
+    )
+    puck = 'Lord, what fools these mortals be!\n        -- William Shakespeare, "A Midsummer-Night\'s Dream"'
+    leaks = committed_leaks(
+        [luke, kludge, puck, "A sentence that no source holds, written for this test only."]
+    )
+    assert leaks == {"kjv": [0], "web": [0], "shakespeare": [2], "jargon": [1]}
+
+
+def test_leak_counts_are_recorded_per_task_and_source() -> None:
+    check = load_leak_check()
+    assert (check["span_words"], check["min_words"]) == (LEAK_SPAN_WORDS, LEAK_MIN_WORDS)
+    assert set(check["spans"]) == set(TRAINING_SOURCES)
+    assert all(len(k) == 16 and int(k, 16) >= 0 for keys in check["spans"].values() for k in keys)
+    for name in OFFLINE_TASKS:
+        record = load_task_metadata(name)["leak_check"]
+        assert record["rule"] == check["rule"]
+        assert record["left_out_by_source"] == check["left_out_by_task"][name]
+        assert record["left_out"] <= sum(record["left_out_by_source"].values()) <= 9 * record["left_out"]
+    fortunes = check["left_out_by_task"]["fortunes_classification"]
+    assert fortunes["shakespeare"] > 0 and fortunes["fortunes"] > 0
+
+
+def _sources_installed() -> bool:
+    try:
+        DataPaths().find(FORTUNES_DIR)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _sources_installed(), reason="training sources not installed (install_data_sources.sh)"
+)
+def test_no_eval_text_leaks_into_the_installed_training_sources() -> None:
+    texts = sorted({t for name in OFFLINE_TASKS for t in task_texts(name)})
+    report = find_leaks(texts, TRAINING_SOURCES)
+    assert {s: [texts[i][:60] for i in sorted(ids)[:3]] for s, ids in report.by_source.items() if ids} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CORPUS.exists(), reason="build/corpus not built (scripts/build_corpus.py)")
+def test_no_eval_text_shares_a_long_span_with_the_training_corpus() -> None:
+    texts = sorted({t for name in OFFLINE_TASKS for t in task_texts(name)})
+    index = SpanIndex(texts)
+    hits = set().union(*(index.matches(r["text"]) for r in iter_corpus(CORPUS)))
+    assert [texts[i][:60] for i in sorted(hits)[:5]] == []

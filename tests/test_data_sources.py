@@ -7,12 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from moee.data.corpus import build_corpus, chunk_text, find_contained, is_heldout, iter_corpus
+from moee.data.corpus import (
+    SpanIndex,
+    build_corpus,
+    chunk_text,
+    find_contained,
+    find_leaks,
+    is_heldout,
+    iter_corpus,
+)
 from moee.data.exclusions import (
     WORDNET_EVAL_MODULUS,
+    attributed_source,
+    attribution,
     is_eval_synset,
     normalize_text,
+    span_words,
     stable_bucket,
+    strip_attribution,
     text_key,
 )
 from moee.data.sources import (
@@ -158,6 +170,87 @@ def test_build_corpus_dedups_excludes_and_is_deterministic(
     )
     with pytest.raises(ValueError, match="unknown source"):
         build_corpus(tmp_path / "c", sources=["nope"])
+
+
+QUOTE = (
+    "Neither a borrower nor a lender be;\nFor loan oft loses both itself and friend.\n"
+    '        -- William Shakespeare, "Hamlet"'
+)
+PLAY = "POLONIUS. ... Neither a borrower, nor a lender be:\n    For loan oft loses both itself and friend,\n    And borrowing dulls the edge of husbandry."
+
+
+def test_attributions_are_stripped_and_credited() -> None:
+    assert (
+        strip_attribution(QUOTE)
+        == "Neither a borrower nor a lender be;\nFor loan oft loses both itself and friend."
+    )
+    assert attribution(QUOTE) == '-- William Shakespeare, "Hamlet"'
+    assert attributed_source(QUOTE) == "shakespeare"
+    assert attributed_source("Fame is a vapor.\n        -- Mark Twain") is None
+    assert attributed_source('Emma was happy.\n\t-- Jane Austen, "Emma"') == "austen"
+    # a dash inside a line, or a text that is nothing but a credit, is not an attribution
+    assert strip_attribution("I haven't lost my mind -- it's backed up on tape.") == (
+        "I haven't lost my mind -- it's backed up on tape."
+    )
+    assert strip_attribution("-- anonymous") == "-- anonymous"
+    # words ignore punctuation, line breaks, case and curly apostrophes
+    assert span_words("Don\u2019t PANIC,\nplease!") == ["don't", "panic", "please"]
+
+
+def test_span_index_finds_quotations_that_whole_text_containment_misses() -> None:
+    """A quotation differs from its source in punctuation and line breaks and carries a credit the
+    source lacks, so containment never sees it; a run of 8 shared words does."""
+    assert find_contained([QUOTE], [PLAY]) == []
+    texts = [
+        QUOTE,
+        "A text about nothing in the play at all, long enough to be indexed.",
+        "for loan oft loses",
+    ]
+    index = SpanIndex(texts)
+    spans: set[tuple[str, ...]] = set()
+    assert index.matches(PLAY, spans) == {0, 2}  # the 4-word text: all of its words in a row
+    assert ("neither", "a", "borrower", "nor", "a", "lender", "be", "for") in spans
+    eight = ["Neither a borrower nor a lender be, for ever and ever, said nobody at all."]
+    assert SpanIndex(eight).matches(PLAY) == {0}  # exactly 8 shared words in a row
+    assert SpanIndex(eight, span=9).matches(PLAY) == set()
+    assert SpanIndex(["oft loses both"]).matches(PLAY) == set()  # under LEAK_MIN_WORDS: not indexed
+    with pytest.raises(ValueError, match="min_words"):
+        SpanIndex(texts, span=4, min_words=5)
+
+
+def test_find_leaks_per_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake(name: str, text: str):
+        src = SOURCES[name]
+        doc = Document(name, "d", text)
+        monkeypatch.setitem(
+            SOURCES, name, src.__class__(**{**src.__dict__, "read": lambda paths: iter([doc])})
+        )
+
+    fake("shakespeare", PLAY)
+    fake("jargon", "kludge n an ill assorted collection of poorly matching parts forming a distressing whole")
+    texts = [
+        QUOTE,
+        "Kludge, n.:\n    An ill-assorted collection of poorly-matching parts, forming a\n    distressing whole.",
+        'The ripest fruit falls first.\n        -- William Shakespeare, "Richard II"',  # credited, not in the text
+        "Nothing here is in any source at all, whatever its length may be.",
+    ]
+    report = find_leaks(texts, ["shakespeare", "jargon"])
+    assert report.by_source == {"shakespeare": {0, 2}, "jargon": {1}}
+    assert report.sources_of(1) == ["jargon"] and report.leaked() == {0, 1, 2}
+
+
+def test_build_corpus_drops_chunks_sharing_a_span_with_an_eval_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = [Document("shakespeare", "hamlet", PLAY), Document("shakespeare", "other", "To be, or not to be.")]
+    src = SOURCES["shakespeare"]
+    monkeypatch.setitem(
+        SOURCES, "shakespeare", src.__class__(**{**src.__dict__, "read": lambda paths: iter(docs)})
+    )
+    m = build_corpus(tmp_path, sources=["shakespeare"], eval_texts=[QUOTE], span_texts=[QUOTE])
+    st = m["sources"]["shakespeare"]
+    assert st["eval_matches_dropped"] == 0 and st["eval_spans_dropped"] == 1 and st["chunks"] == 1
+    assert "8 words" in m["span_rule"]
 
 
 def test_registry_has_provenance_for_every_source() -> None:

@@ -1,8 +1,9 @@
 """Building the language-model training corpus from the sources in ``moee.data.sources``.
 
 Documents are cut into paragraph-aligned chunks of at most ``max_words`` words, exact duplicates
-(after ``normalize_text``) are dropped, any chunk equal to an evaluation text is dropped, and a
-stable hash sends about 1% of chunks to the held-out split. The output is deterministic: the
+(after ``normalize_text``) are dropped, any chunk equal to an evaluation text is dropped, any
+chunk that shares a long span of words with a text of the offline evaluation tasks is dropped
+(``SpanIndex``), and a stable hash sends about 1% of chunks to the held-out split. The output is deterministic: the
 same packages give byte-identical files.
 """
 
@@ -17,7 +18,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from moee.data.exclusions import normalize_text, stable_bucket, text_key
+from moee.data.exclusions import (
+    LEAK_MIN_WORDS,
+    LEAK_SPAN_WORDS,
+    attributed_source,
+    normalize_text,
+    span_words,
+    stable_bucket,
+    text_key,
+)
 from moee.data.sources import SOURCES, TRAINING_SOURCES, DataPaths, iter_documents
 
 HELDOUT_MODULUS = 100  # one chunk in 100 is held out
@@ -90,6 +99,7 @@ class CorpusStats:
     words: int = 0
     duplicates_dropped: int = 0
     eval_matches_dropped: int = 0
+    eval_spans_dropped: int = 0
 
 
 def build_corpus(
@@ -97,6 +107,7 @@ def build_corpus(
     *,
     sources: Iterable[str] = TRAINING_SOURCES,
     eval_texts: Iterable[str] = (),
+    span_texts: Iterable[str] = (),
     paths: DataPaths | None = None,
     max_words: int = 256,
     seed: int = 0,
@@ -106,7 +117,9 @@ def build_corpus(
 
     ``eval_texts`` are texts used by evaluation tasks: a chunk whose normalised text equals one
     of them is dropped (and counted) even though the exclusion rules should already have removed it.
-    Returns the manifest.
+    ``span_texts`` (the texts of the offline evaluation tasks) are matched more strictly: a chunk that
+    shares a run of ``LEAK_SPAN_WORDS`` words with one of them is dropped (``SpanIndex``), so a quotation
+    of a training text can never reach both sides. Returns the manifest.
     """
     sources = list(sources)
     for name in sources:
@@ -114,6 +127,7 @@ def build_corpus(
             raise ValueError(f"unknown source {name!r}; known: {sorted(SOURCES)}")
     paths = paths or DataPaths()
     eval_keys = {text_key(t) for t in eval_texts}
+    spans = SpanIndex(span_texts)
     seen: set[str] = set()
     train: list[dict[str, str]] = []
     heldout: list[dict[str, str]] = []
@@ -126,6 +140,9 @@ def build_corpus(
                 key = text_key(chunk)
                 if key in eval_keys:
                     st.eval_matches_dropped += 1
+                    continue
+                if spans.n_texts and spans.matches(chunk):
+                    st.eval_spans_dropped += 1
                     continue
                 if key in seen:
                     st.duplicates_dropped += 1
@@ -165,6 +182,8 @@ def build_corpus(
         "heldout_rule": f"sha1('heldout:' + sha1(normalised text)) mod {HELDOUT_MODULUS} == 0",
         "dedup_rule": "exact match of NFKC-normalised, casefolded, whitespace-collapsed text",
         "eval_texts_checked": len(eval_keys),
+        "span_rule": f"chunks sharing a run of {spans.span} words with one of {spans.n_texts} offline evaluation texts "
+        "dropped (moee.data.corpus.SpanIndex)",
         "files": files,
         "sources": {
             name: {
@@ -252,8 +271,11 @@ def normalized_corpus_text(path: str | Path) -> str:
 
 __all__ = [
     "CorpusStats",
+    "LeakReport",
+    "SpanIndex",
     "build_corpus",
     "chunk_text",
+    "find_leaks",
     "is_heldout",
     "iter_corpus",
     "manifest_markdown",
@@ -295,3 +317,110 @@ def find_contained(texts: list[str], haystack: Iterable[str], *, ngram: int = 4)
             if len(gs) == len(grams[i]) and norm[i] in chunk:
                 found.add(i)
     return sorted(found)
+
+
+class SpanIndex:
+    """Word shingles of a set of texts, to find which of them share a long span with another text.
+
+    Every run of ``span`` consecutive words (``moee.data.exclusions.span_words``: attribution
+    stripped, normalised, punctuation ignored) of each indexed text goes into a hash table, so
+    one pass over a document finds every indexed text that shares such a run with it, whatever
+    the size of the haystack. A text of ``min_words`` to ``span - 1`` words matches when all of
+    its words occur in a row; shorter texts are not indexed (see ``LEAK_MIN_WORDS``).
+    """
+
+    def __init__(
+        self, texts: Iterable[str], *, span: int = LEAK_SPAN_WORDS, min_words: int = LEAK_MIN_WORDS
+    ) -> None:
+        if not 1 <= min_words <= span:
+            raise ValueError(f"need 1 <= min_words <= span, got min_words={min_words}, span={span}")
+        self.span = span
+        self._grams: dict[tuple[str, ...], list[int]] = {}
+        self._short: dict[tuple[str, ...], list[int]] = {}
+        self._short_lengths: set[int] = set()
+        self._short_heads: set[str] = set()
+        self.n_texts = 0
+        for i, text in enumerate(texts):
+            self.n_texts += 1
+            words = span_words(text)
+            if len(words) >= span:
+                for j in range(len(words) - span + 1):
+                    self._grams.setdefault(tuple(words[j : j + span]), []).append(i)
+            elif len(words) >= min_words:
+                self._short.setdefault(tuple(words), []).append(i)
+                self._short_lengths.add(len(words))
+                self._short_heads.add(words[0])
+
+    def matches(self, text: str, spans: set[tuple[str, ...]] | None = None) -> set[int]:
+        """Indices of the indexed texts that share a span with ``text`` (the shared runs of words
+        are added to ``spans`` when it is given)."""
+        words = span_words(text)
+        found: set[int] = set()
+        grams, span = self._grams, self.span
+        for j in range(len(words) - span + 1):
+            gram = tuple(words[j : j + span])
+            hit = grams.get(gram)
+            if hit:
+                found.update(hit)
+                if spans is not None:
+                    spans.add(gram)
+        if self._short:
+            for j, word in enumerate(words):
+                if word in self._short_heads:
+                    for k in self._short_lengths:
+                        gram = tuple(words[j : j + k])
+                        hit = self._short.get(gram)
+                        if hit:
+                            found.update(hit)
+                            if spans is not None:
+                                spans.add(gram)
+        return found
+
+
+@dataclass
+class LeakReport:
+    """Which texts leak into which training source, and the word spans they share with it."""
+
+    texts: list[str]
+    by_source: dict[str, set[int]]
+    spans: dict[str, set[tuple[str, ...]]]
+
+    def sources_of(self, i: int) -> list[str]:
+        """The sources text ``i`` leaks into, in source order."""
+        return [s for s, ids in self.by_source.items() if i in ids]
+
+    def leaked(self) -> set[int]:
+        return set().union(*self.by_source.values()) if self.by_source else set()
+
+
+def find_leaks(
+    texts: list[str],
+    sources: Iterable[str] = TRAINING_SOURCES,
+    paths: DataPaths | None = None,
+    *,
+    span: int = LEAK_SPAN_WORDS,
+    min_words: int = LEAK_MIN_WORDS,
+) -> LeakReport:
+    """Which of ``texts`` the language model has read, per training source.
+
+    A text leaks into a source when it shares a run of ``span`` words with one of its documents
+    (a text of ``min_words`` to ``span - 1`` words: all its words in a row; see ``SpanIndex``),
+    when its normalised text equals a whole document (the shortest texts), or when its
+    attribution names the source's author (``moee.data.exclusions.attributed_source``).
+    """
+    texts = list(texts)
+    index = SpanIndex(texts, span=span, min_words=min_words)
+    keys: dict[str, list[int]] = {}
+    for i, text in enumerate(texts):
+        keys.setdefault(text_key(text), []).append(i)
+    by_source: dict[str, set[int]] = {}
+    spans: dict[str, set[tuple[str, ...]]] = {}
+    for name in sources:
+        hits: set[int] = set()
+        shared: set[tuple[str, ...]] = set()
+        for doc in iter_documents(name, paths):
+            hits |= index.matches(doc.text, shared)
+            hits.update(keys.get(text_key(doc.text), ()))
+        hits.update(i for i, text in enumerate(texts) if attributed_source(text) == name)
+        by_source[name], spans[name] = hits, shared
+    return LeakReport(texts, by_source, spans)

@@ -187,6 +187,61 @@ def load_task_data(name: str) -> dict[str, Any]:
     return out
 
 
+def task_texts(name: str) -> list[str]:
+    """The distinct texts of an offline task (every input an evaluation embeds), in file order."""
+    data = load_task_data(name)
+    family = data["family"]
+    if family == "STS":
+        texts = [d["text"] for d in data["documents"]]
+    elif family == "PairClassification":
+        texts = [t for r in data["test"] for t in (r["sentence1"], r["sentence2"])]
+    elif family == "Retrieval":
+        texts = [q["text"] for q in data["queries"]] + [d["text"] for d in data["corpus"]]
+    else:
+        texts = [r["text"] for stem in SCHEMAS[family] for r in data[stem]]
+    return list(dict.fromkeys(texts))
+
+
+#: The committed record of the leak check (``scripts/build_offline_data.py``): its rule, and per
+#: training source the keys (``moee.data.exclusions.span_key``) of the word spans that source
+#: shares with any candidate evaluation text, so committed data can be re-checked without the
+#: training sources installed.
+LEAK_CHECK_FILE = "leak_check.json"
+
+
+def load_leak_check() -> dict[str, Any]:
+    """The committed leak-check record (see ``LEAK_CHECK_FILE``)."""
+    with resources.files("moee.data").joinpath("offline", LEAK_CHECK_FILE).open("r", encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def committed_leaks(texts: list[str], check: dict[str, Any] | None = None) -> dict[str, list[int]]:
+    """For each training source, the indices of ``texts`` that share a recorded span with it or
+    whose attribution names its author (the committed form of ``moee.data.corpus.find_leaks``)."""
+    from moee.data.exclusions import attributed_source, span_key, span_words
+
+    check = check or load_leak_check()
+    span = int(check["span_words"])
+    keys = []
+    for text in texts:
+        words = span_words(text)
+        if len(words) >= span:
+            keys.append({span_key(words[j : j + span]) for j in range(len(words) - span + 1)})
+        else:
+            keys.append({span_key(words)} if words else set())
+    out: dict[str, list[int]] = {}
+    for source, recorded in check["spans"].items():
+        recorded = set(recorded)
+        hits = [
+            i
+            for i, (text, ks) in enumerate(zip(texts, keys))
+            if ks & recorded or attributed_source(text) == source
+        ]
+        if hits:
+            out[source] = hits
+    return out
+
+
 def tasks_by_family(family: str) -> list[str]:
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")

@@ -307,10 +307,15 @@ def family_markdown(doc: Mapping[str, Any]) -> str:
         if has_retrieval:
             cells.append(_fmt(row["retrieval"]))
         lines.append("| " + " | ".join(cells) + " |")
+    scores = (
+        "mteb scores x 100: the task's main score, except for PairCLF (below)"
+        if "PairClassification" in doc["families"]
+        else "mteb main scores x 100"
+    )
     notes = [
         "",
         f"Avg = mean of the family scores ({', '.join(FAMILY_ABBREV[f] for f in doc['avg_families'])}); "
-        "Retrieval is reported separately, as in the paper. Scores are mteb main scores x 100.",
+        f"Retrieval is reported separately, as in the paper. Scores are {scores}.",
     ]
     if "PairClassification" in doc["families"]:
         notes.append(
