@@ -284,10 +284,13 @@ def test_kmeans_partition_uses_the_documented_recipe(monkeypatch):
             return np.arange(x.shape[0]) % 2
 
     monkeypatch.setattr(overlap, "KMeans", Recorder)
-    x = np.array([[3.0, 4.0, 0.0], [0.0, 0.0, 2.0], [1.0, 0.0, 0.0]])
+    x = np.array([[3.0, 4.0, 0.0], [0.0, 0.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     kmeans_partition(x, 2)
     assert seen[0] == {"n_clusters": 2, "n_init": 10, "random_state": 0}
-    np.testing.assert_allclose(seen[1], [[0.6, 0.8, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    # rows scaled to unit length; the all-zero row stays exactly zero
+    np.testing.assert_array_equal(
+        seen[1], [[0.6, 0.8, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    )
     kmeans_partition(x, 3, seed=5, n_init=2, normalize=False)
     assert seen[2] == {"n_clusters": 3, "n_init": 2, "random_state": 5}
     np.testing.assert_allclose(seen[3], x)
@@ -295,6 +298,19 @@ def test_kmeans_partition_uses_the_documented_recipe(monkeypatch):
     clustering_overlap(np.ones((4, 2, 3)) + np.eye(4)[:, None, :3], np.eye(4), 2, seed=3, n_init=4)
     assert seen[0] == seen[2] == {"n_clusters": 2, "n_init": 4, "random_state": 3}
     assert seen[1].shape == (4, 6)  # RW flattened to L*E
+    # the defaults and the options reach k-means from every entry point
+    rw, hs = np.ones((4, 2, 3)) + np.eye(4)[:, None, :3], np.eye(4)
+    for run in (
+        lambda **kw: clustering_overlap(rw, hs, 2, **kw),
+        lambda **kw: overlap_sweep(rw, hs, [2], **kw),
+        lambda **kw: overlap_for_texts(FakeTracer(rw, hs), ["a", "b", "c", "d"], [2], **kw),
+    ):
+        seen.clear()
+        run()
+        assert seen[0] == seen[2] == {"n_clusters": 2, "n_init": 10, "random_state": 0}
+        seen.clear()
+        run(n_init=3, seed=6)
+        assert seen[0] == seen[2] == {"n_clusters": 2, "n_init": 3, "random_state": 6}
 
 
 def test_kmeans_partition_rejects_bad_k_and_nan():
@@ -311,7 +327,7 @@ def test_kmeans_partition_rejects_bad_k_and_nan():
     with pytest.raises(ValueError, match=r"x must be a 2-D \[n, d\] matrix, got shape \(4,\)"):
         kmeans_partition(np.zeros(4), 2)
     x[0, 0] = np.nan
-    with pytest.raises(ValueError, match="x contains NaN or infinite values"):
+    with pytest.raises(ValueError, match="^x contains NaN or infinite values$"):
         kmeans_partition(x, 2)
     x[0, 0] = np.inf
     with pytest.raises(ValueError, match="NaN or infinite"):
@@ -354,14 +370,14 @@ def test_clustering_overlap_passes_its_options_on():
     default = overlap_sweep(rw, hs, [3])[0]
     assert default["rw_vs_hs_chance"] == pytest.approx(chance_agreement(gold, gold, permutations=10, seed=0))
     assert "rw_vs_gold" not in default
-    with pytest.raises(ValueError, match="ks must list at least one k"):
+    with pytest.raises(ValueError, match="^ks must list at least one k$"):
         overlap_sweep(rw, hs, [])
 
 
 def test_clustering_overlap_rejects_mismatched_inputs():
     hs, gold = blobs()  # 90 texts x 10 dims
-    with pytest.raises(ValueError, match="different numbers of texts: 10 vs 90"):
-        clustering_overlap(hs[:10], hs, 2)
+    with pytest.raises(ValueError, match="different numbers of texts: 12 vs 90"):
+        clustering_overlap(hs[:12], hs, 2)
     with pytest.raises(ValueError, match="labels has 5 entries for 90 texts"):
         clustering_overlap(hs, hs, 2, labels=gold[:5])
     with pytest.raises(ValueError, match=r"hs must be \[n, hidden\], got shape \(90,\)"):
@@ -422,9 +438,18 @@ def test_plot_overlap_sweep_draws_every_curve(tmp_path, monkeypatch):
         np.testing.assert_allclose(
             lines["toy: HS vs gold"].get_ydata(), [r["hs_vs_gold"][m] for r in res["sweep"]]
         )
-        np.testing.assert_allclose(lines["toy: RW vs HS"].get_xdata(), [2, 3])
         chance = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+        assert len(chance) == 1
         np.testing.assert_allclose(chance[0].get_ydata(), [r["rw_vs_hs_chance"][m] for r in res["sweep"]])
+        curves = [lines["toy: RW vs HS"], lines["toy: RW vs gold"], lines["toy: HS vs gold"], chance[0]]
+        for line in curves:
+            np.testing.assert_allclose(line.get_xdata(), [2, 3])
+            assert line.get_color() == "C0"  # one colour per data set, chance included
+        assert [line.get_marker() for line in curves[:3]] == ["o", "^", "s"]
+        assert [line.get_linestyle() for line in curves[:3]] == ["-", "--", "--"]
+        assert [line.get_alpha() for line in curves[:3]] == [None, 0.6, 0.35]
         assert ("paper (DeepSeekMoE)" in lines) == (m == "ami")
         assert ax.get_xscale() == "log" and ax.get_xlabel() == "k"
+        assert ax.xaxis.get_transform().base == 2
+    assert axes[0].get_legend() is not None and all(ax.get_legend() is None for ax in axes[1:])
     plt.close(fig)

@@ -1,5 +1,6 @@
 """Expert-specialization accumulators on hand-made routes, and report assembly without a model."""
 
+import html
 import logging
 from types import SimpleNamespace
 
@@ -8,6 +9,7 @@ import pytest
 
 from moee.analysis.specialization import (
     REPORT_SECTIONS,
+    SELECTION_RETURNED,
     SpecializationAccumulator,
     build_report,
     model_top_k,
@@ -268,7 +270,7 @@ def test_report_counts_the_loss_free_gates_biased_selection():
             buf.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))
     embedder = MoEEmbedder(model, fast)
     rep = build_report(embedder, texts, progress=False)
-    assert rep["summary"]["selection"] == "router scores + selection bias"
+    assert rep["summary"]["selection"] == SELECTION_RETURNED  # the gate returns its own top-k
     for layer in rep["layers"]:
         assert layer["load_fraction"][0] == pytest.approx(1 / 2)  # in every token's top 2
         assert sum(layer["importance_fraction"]) == pytest.approx(1.0, abs=1e-5)
@@ -411,3 +413,80 @@ def test_router_indices_decide_the_selection():
         acc.update(np.array([1]), probs[:1], text_index=1, selected=np.array([[[1, 1]]]))
     with pytest.raises(ValueError, match="integer"):
         acc.update(np.array([1]), probs[:1], text_index=1, selected=np.array([[[1.0, 2.0]]]))
+
+
+def _dispatched(model, routers, ids):
+    """Per MoE layer, the experts each block actually runs for each token ``[T, k]`` on one text,
+    read from the experts module's call (or, where the experts get no index tensor, the router
+    output the block uses), by the capture oracle's decoders, not by the recorder's."""
+    import torch
+
+    from moee.capture import oracle
+
+    found, handles = {}, []
+    for i, spec in enumerate(routers):
+        block = oracle._block_of(model, spec)
+        if block is not None:
+
+            def on_experts(module, args, kwargs, i=i):
+                got = oracle._dispatch_from_call(args, kwargs)
+                if got is not None:
+                    found.setdefault(i, got[0])
+
+            handles.append(block.experts.register_forward_pre_hook(on_experts, with_kwargs=True))
+
+        def on_router(module, args, out, i=i):
+            got = oracle._dispatch_from_router(module, out)
+            if got is not None:
+                found[i] = got[0]
+
+        handles.append(spec.router.register_forward_hook(on_router))
+    x = torch.tensor([ids])
+    try:
+        with torch.no_grad():
+            model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [found[i].reshape(len(ids), -1).long().numpy() for i in range(len(routers))]
+
+
+def _architectures():
+    from moee.capture.registry import supported_architectures
+
+    return supported_architectures()
+
+
+@pytest.mark.parametrize("model_type", _architectures())
+def test_report_counts_the_routers_own_selection(model_type, monkeypatch):
+    """On a tiny model of every supported architecture, the experts the report counts for every
+    token are the experts the MoE block dispatches (group limits, biases, skip experts included)."""
+    from moee.analysis.specialization import SELECTION_CAPTURE_DERIVED
+    from moee.capture.tiny import TINY_WORDS, tiny_model, tiny_tokenizer
+    from moee.embed.embedder import MoEEmbedder
+
+    texts = [
+        " ".join(TINY_WORDS[(7 * i + 3 * j) % len(TINY_WORDS)] for j in range(3 + 2 * i)) for i in range(5)
+    ]
+    embedder = MoEEmbedder(tiny_model(model_type), tiny_tokenizer())
+    counted = {}
+    update = SpecializationAccumulator.update
+
+    def spy(self, ids, *args, **kwargs):
+        update(self, ids, *args, **kwargs)
+        counted[kwargs["text_index"]] = (np.asarray(ids).tolist(), np.sort(self.last_selection, axis=2))
+
+    monkeypatch.setattr(SpecializationAccumulator, "update", spy)
+    rep = build_report(embedder, texts, batch_size=2, progress=False, min_token_count=1, permutations=1)
+    assert sorted(counted) == list(range(len(texts)))
+    for ids, selection in counted.values():
+        truth = _dispatched(embedder.model, embedder.routers, ids)
+        for layer, expected in enumerate(truth):
+            np.testing.assert_array_equal(
+                selection[:, layer], np.sort(expected, axis=1), err_msg=f"layer {layer}"
+            )
+    sources = rep["summary"]["selection_by_layer"]
+    assert set(sources) <= {SELECTION_RETURNED, SELECTION_CAPTURE_DERIVED}
+    if model_type == "dbrx":  # its router returns no indices: the report says they are re-derived
+        assert set(sources) == {SELECTION_CAPTURE_DERIVED}
+    assert html.escape(rep["summary"]["selection"]) in render_html(rep)

@@ -95,12 +95,13 @@ REPORT_SECTIONS = (
 _FALLBACK_TOP_K = 1
 
 
-def model_top_k(config, n_experts: int | None = None) -> tuple[int, str]:
+def model_top_k(config, n_experts: int | None = None, *, warn: bool = True) -> tuple[int, str]:
     """The model's top-k and where it came from.
 
     Looks up ``TOP_K_ATTRIBUTES`` on the config (and its ``text_config`` for multimodal wrappers).
     When none is set, falls back to k = 1 (first choice only, the one statistic every router has)
-    with a warning; pass ``top_k`` explicitly to override.
+    with a warning (unless ``warn=False``); pass ``top_k`` explicitly to override. ``build_report``
+    prefers the routers' own k (``RouterSpec.top_k``) where the config has none or disagrees.
     """
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is None:
@@ -111,7 +112,8 @@ def model_top_k(config, n_experts: int | None = None) -> tuple[int, str]:
                 if n_experts is not None and value > n_experts:
                     continue
                 return int(value), f"config.{name}"
-    logger.warning("no top-k attribute on the model config; using k=%d (pass --top-k)", _FALLBACK_TOP_K)
+    if warn:
+        logger.warning("no top-k attribute on the model config; using k=%d (pass --top-k)", _FALLBACK_TOP_K)
     return _FALLBACK_TOP_K, "fallback"
 
 
@@ -376,6 +378,7 @@ class SpecializationAccumulator:
         self.n_contexts, self.context_window = int(n_contexts), int(context_window)
         self.n_texts = 0
         self.n_tokens = 0
+        self.last_selection: np.ndarray | None = None
         self.n_adjacent = 0
         self.importance = np.zeros((L, E))
         self.load = np.zeros((L, E), dtype=np.int64)
@@ -410,7 +413,9 @@ class SpecializationAccumulator:
         limits and biases included); without them the top k is re-derived by ranking
         ``selection [T, L, E]``, the scores the router ranks when they differ from ``probs`` (a
         selection-only bias, DeepSeek-V3 style), default ``probs``. The first choice is the
-        selected expert with the highest ``selection`` (else ``probs``) score.
+        selected expert with the highest router probability (the largest routing weight: softmax
+        and sigmoid weights both rise with the logit). ``last_selection`` keeps the experts
+        counted for this text (what the report counts, for checks).
         """
         ids = np.asarray(input_ids, dtype=np.int64).ravel()
         p = np.asarray(probs, dtype=np.float64)
@@ -437,7 +442,8 @@ class SpecializationAccumulator:
         if T == 0:
             return
         self.n_tokens += T
-        best = np.take_along_axis(rank, sel, axis=2).argmax(axis=2)  # first choice among the selected
+        self.last_selection = np.asarray(sel)
+        best = np.take_along_axis(p, sel, axis=2).argmax(axis=2)  # first choice among the selected
         first = np.take_along_axis(sel, best[..., None], axis=2)[..., 0]  # [T, L]
         layer_off = (np.arange(L) * E)[None, :, None]
         flat = (sel + layer_off).ravel()
@@ -858,6 +864,27 @@ def selection_scorers(embedder) -> list[Callable[[np.ndarray], np.ndarray]] | No
     return [f if f is not None else (lambda logits: logits) for f in scorers]
 
 
+#: ``summary.selection`` for the experts a router returned itself / re-derived by the capture.
+SELECTION_RETURNED = "returned by the router (its own top-k indices)"
+SELECTION_CAPTURE_DERIVED = (
+    "re-derived by the capture: top-k of the router's selection scores (it returns none)"
+)
+
+
+def _router_choice(routes, top_k: int, n_layers: int) -> tuple[np.ndarray | None, list[str] | None]:
+    """The experts the capture recorded for this text ``[T, L, k]`` and, per layer, where they came
+    from; ``(None, None)`` when it recorded none or they cannot be counted with ``top_k`` (another
+    k, or layers with different k)."""
+    chosen = getattr(routes, "selection", None)
+    if chosen is None:
+        return None, None
+    chosen = np.asarray(chosen)
+    if chosen.ndim != 3 or chosen.shape[1:] != (n_layers, top_k) or (chosen < 0).any():
+        return None, None
+    returned = getattr(routes, "selection_returned", None) or [False] * n_layers
+    return chosen, [SELECTION_RETURNED if r else SELECTION_CAPTURE_DERIVED for r in returned]
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(axis=-1, keepdims=True)
     e = np.exp(z)
@@ -906,7 +933,14 @@ def build_report(
     neither the corpus nor its routes are ever held whole in memory.
     """
     n_layers, n_experts = int(embedder.n_moe_layers), int(embedder.n_experts)
-    if top_k is None:
+    router_ks = {getattr(spec, "top_k", None) for spec in getattr(embedder, "routers", [])}
+    router_k = router_ks.pop() if len(router_ks) == 1 else None
+    if top_k is None and isinstance(router_k, int) and 1 <= router_k <= n_experts:
+        # what the routers themselves select (RouterSpec.top_k), named after the config when it agrees
+        top_k, source = model_top_k(embedder.model.config, n_experts, warn=False)
+        if (top_k, source[:7]) != (router_k, "config."):
+            top_k, source = router_k, "router"
+    elif top_k is None:
         top_k, source = model_top_k(embedder.model.config, n_experts)
     else:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
@@ -943,6 +977,12 @@ def build_report(
 
         expected = total if max_texts is None else min(total or max_texts, max_texts)
         bar = tqdm(total=expected, unit="text", desc="routing")
+    derived = (
+        "re-derived: top-k of the router scores + selection bias"
+        if scorers
+        else "re-derived: top-k of the router softmax"
+    )
+    layer_sources: list[set[str]] = [set() for _ in range(n_layers)]
     offset = 0
     for chunk in _chunks(records(), chunk_size):
         # length-sorted inside the chunk so batches carry little padding; indices map back
@@ -956,12 +996,18 @@ def build_report(
             if scorers is not None:  # values are logits: probabilities and biased selection scores
                 selection = np.stack([f(values[:, i]) for i, f in enumerate(scorers)], axis=1)
                 values = _softmax(values)
+            selected, sources = _router_choice(routes, top_k, n_layers)
+            if selected is not None:
+                selection = None
+            for layer, name in enumerate(sources or [derived] * n_layers):
+                layer_sources[layer].add(name)
             acc.update(
                 np.asarray(routes.input_ids),
                 values,
                 text_index=offset + row,
                 domain=chunk[row][1],
                 selection=selection,
+                selected=selected,
             )
             if bar is not None:
                 bar.update(1)
@@ -972,8 +1018,12 @@ def build_report(
         raise ValueError("the corpus holds no texts")
     report = acc.result(_decoder(embedder.tokenizer), min_token_count=min_token_count)
     report["summary"]["top_k_source"] = source
+    by_layer = [" / ".join(sorted(s)) for s in layer_sources]
+    report["summary"]["selection_by_layer"] = by_layer
     report["summary"]["selection"] = (
-        "router scores + selection bias" if scorers else "top-k of the router softmax"
+        by_layer[0]
+        if len(set(by_layer)) == 1
+        else "; ".join(f"L{i}: {name}" for i, name in enumerate(by_layer))
     )
     report["summary"]["model"] = str(getattr(embedder, "name_or_path", type(embedder.model).__name__))
     return report

@@ -4,8 +4,11 @@ Routes every token of the corpus through the model (streamed, memory bounded) an
 ``report.json`` and a self-contained ``report.html``: per-layer load balance (CV of importance and
 load, max/mean load, routing entropy, load histograms), per-expert top tokens and contexts, domain
 and vocabulary specialization, expert co-activation, first-choice repetition and layer-to-layer
-agreement. k defaults to the model's top-k from its config (``num_experts_per_tok`` or an
-equivalent; k = 1 with a warning when the config has none).
+agreement, each beside its permutation baseline (the statistic with the routes shuffled against
+tokens, domains, positions or the other layer; ``--permutations`` draws, ``--seed``). The experts
+counted are the router's own choice wherever the capture returns it (re-derived from its scores
+otherwise; the report says which). k defaults to the model's top-k from its config
+(``num_experts_per_tok`` or an equivalent; k = 1 with a warning when the config has none).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ def register(subparsers) -> None:
     p.add_argument("--domain-field", default=None, help="field holding each text's domain label")
     p.add_argument("--top-k", type=int, default=None, help="experts counted per token (default: the model's)")
     p.add_argument("--max-texts", type=int, default=None, help="use only the first N texts")
+    p.add_argument(
+        "--permutations", type=int, default=10, help="permutation draws per baseline (default: 10)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the permutation baselines (default: 0)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="torch dtype to load the model in, e.g. bfloat16")
@@ -59,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         batch_size=args.batch_size,
         max_texts=args.max_texts,
+        permutations=args.permutations,
+        seed=args.seed,
         progress=True,
         total=total,
     )

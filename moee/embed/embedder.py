@@ -106,11 +106,19 @@ class RoutingTrace:
 
 @dataclass
 class TokenRoutes:
-    """Token-level routes of one text: ``input_ids [T]`` (real tokens), ``probs [T, L, E]`` float32."""
+    """Token-level routes of one text: ``input_ids [T]`` (real tokens), ``probs [T, L, E]`` float32.
+
+    ``selection [T, L, k]`` int64: the experts each router chose for each token (see
+    ``RoutingRecorder.token_selection``; -1 pads layers with a smaller k), ``None`` when a router
+    neither returns its choice nor declares its k; ``selection_returned [L]``: per layer, whether
+    those are the indices the router itself returned (else re-derived from its selection scores).
+    """
 
     index: int
     input_ids: np.ndarray
     probs: np.ndarray
+    selection: np.ndarray | None = None
+    selection_returned: list[bool] | None = None
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -448,12 +456,16 @@ class MoEEmbedder:
                 recorder.set_batch(batch["attention_mask"])
                 self._forward(batch)
                 routes = recorder.token_rw()
+                chosen = recorder.token_selection()
+                returned = recorder.selection_returned
             width = routes.shape[1]
             for j, seq in enumerate(seqs):
                 yield TokenRoutes(
                     index=start + j,
                     input_ids=np.asarray(seq, dtype=np.int64),
                     probs=np.ascontiguousarray(routes[j, width - len(seq) :].numpy(), dtype=np.float32),
+                    selection=None if chosen is None else chosen[j, width - len(seq) :].numpy(),
+                    selection_returned=list(returned),
                 )
 
     def __repr__(self) -> str:
