@@ -641,3 +641,234 @@ def test_hierarchical_training_load_matches_naive_reference_values_and_gradients
     for g_got, g_want in zip(got, torch.autograd.grad(want, params)):
         assert g_want.abs().sum() > 0
         torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- argument checks, defaults, contracts
+
+_BAD_ARGS = [
+    (lambda: NoisyTopKGate(4.0, 3, 2), TypeError, r"^d_model must be an int, got float$"),
+    (lambda: NoisyTopKGate(4, True, 1), TypeError, r"^n_experts must be an int, got bool$"),
+    (lambda: NoisyTopKGate(0, 3, 1), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: NoisyTopKGate(4, 0, 1), ValueError, r"^n_experts must be >= 1, got 0$"),
+    (
+        lambda: NoisyTopKGate(4, 3, 2, w_importance=-0.5),
+        ValueError,
+        r"^w_importance must be a non-negative number, got -0.5$",
+    ),
+    (
+        lambda: NoisyTopKGate(4, 3, 2, w_load=float("nan")),
+        ValueError,
+        r"^w_load must be a non-negative number, got nan$",
+    ),
+    (lambda: SoftmaxGate(0, 3), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: SoftmaxGate(4, 0), ValueError, r"^n_experts must be >= 1, got 0$"),
+    (
+        lambda: SoftmaxGate(4, 3, w_importance=-1.0),
+        ValueError,
+        r"^w_importance must be a non-negative number",
+    ),
+    (lambda: HierarchicalGate(0, 2, 2, 1, 1), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: HierarchicalGate(4, 0, 2, 1, 1), ValueError, r"^n_groups must be >= 1, got 0$"),
+    (lambda: HierarchicalGate(4, 2, 0, 1, 1), ValueError, r"^experts_per_group must be >= 1, got 0$"),
+    (lambda: HierarchicalGate(4, 2, 2, 3, 1), ValueError, r"^k_primary must be in \[1, 2\]"),
+    (lambda: HierarchicalGate(4, 2, 2, 1, 3), ValueError, r"^k_secondary must be in \[1, 2\]"),
+    (
+        lambda: HierarchicalGate(4, 2, 2, 1, 1, w_importance=-1.0),
+        ValueError,
+        r"^w_importance must be a non-negative",
+    ),
+    (lambda: HierarchicalGate(4, 2, 2, 1, 1, w_load=-1.0), ValueError, r"^w_load must be a non-negative"),
+    (lambda: BatchwiseBalancedGate(0, 3, 1), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: BatchwiseBalancedGate(4, 0, 1), ValueError, r"^n_experts must be >= 1, got 0$"),
+    (
+        lambda: BatchwiseBalancedGate(4, 3, 1, w_threshold=-1.0),
+        ValueError,
+        r"^w_threshold must be a non-negative",
+    ),
+    (lambda: BatchwiseBalancedGate(4, 3, 1, init_std=0.0), ValueError, r"^init_std must be > 0, got 0.0$"),
+    (lambda: ExpertChoiceGate(0, 3), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: ExpertChoiceGate(4, 0), ValueError, r"^n_experts must be >= 1, got 0$"),
+    (
+        lambda: ExpertChoiceGate(4, 3, capacity_factor=0.0),
+        ValueError,
+        r"^capacity_factor must be > 0, got 0.0$",
+    ),
+    (lambda: LossFreeBalancedGate(0, 3, 1), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: LossFreeBalancedGate(4, 0, 1), ValueError, r"^n_experts must be >= 1, got 0$"),
+    (lambda: LossFreeBalancedGate(4, 3, 1, gamma=-1.0), ValueError, r"^gamma must be >= 0, got -1.0$"),
+    (lambda: batchwise_mask(torch.ones(4), 1), ValueError, r"^scores must be \[N, E\], got shape \(4,\)$"),
+    (lambda: batchwise_mask(torch.ones(3, 2), 4), ValueError, r"^m must be in \[1, 3\]"),
+    (
+        lambda: noisy_top_k(torch.zeros(2, 3), None, 1, True),
+        ValueError,
+        r"^noise_logits are required when add_noise is True$",
+    ),
+    (
+        lambda: NoisyTopKGate(4, 3, 2)([[0.0] * 4]),
+        TypeError,
+        r"^gate input must be a torch.Tensor, got list$",
+    ),
+    (
+        lambda: BatchwiseBalancedGate(4, 3, 1)(torch.zeros(0, 4)),
+        ValueError,
+        r"^BatchwiseBalancedGate needs a non-empty batch$",
+    ),
+    (
+        lambda: ExpertChoiceGate(4, 3)(torch.zeros(0, 4)),
+        ValueError,
+        r"^ExpertChoiceGate needs a non-empty batch$",
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "error", "message"), _BAD_ARGS)
+def test_bad_arguments_raise_a_clear_error(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+def test_smallest_valid_arguments_and_boundary_values():
+    x = torch.randn(1, 1)
+    for gate in (
+        NoisyTopKGate(1, 1, 1),
+        SoftmaxGate(1, 1),
+        HierarchicalGate(1, 1, 1, 1, 1),
+        BatchwiseBalancedGate(1, 1, 1),
+        ExpertChoiceGate(1, 1, capacity_factor=0.5),  # a factor below 1 is valid
+        LossFreeBalancedGate(1, 1, 1, gamma=0.0),  # gamma 0 (a frozen bias) is valid
+    ):
+        out = gate(x)
+        assert out.indices.tolist() == [[0]] and out.n_experts == 1 and out.k == 1
+
+
+def test_defaults_have_no_balancing_loss_and_small_random_inits():
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    noisy = _random_noisy_gate(0).train()
+    assert noisy(torch.randn(8, 6)).aux["loss"].item() == 0.0
+    soft = SoftmaxGate(64, 8)
+    torch.nn.init.normal_(soft.w_gate.weight)
+    assert soft(x).aux["loss"].item() == 0.0
+    assert _random_hierarchical(0).train()(torch.randn(8, 6)).aux["loss"].item() == 0.0
+    for gate in (
+        BatchwiseBalancedGate(64, 64, 2),
+        ExpertChoiceGate(64, 64),
+        LossFreeBalancedGate(64, 64, 2),
+        NoisyTopKGate(64, 64, 2, noisy=False),
+    ):
+        assert gate.w_gate.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    clean = HierarchicalGate(64, 8, 64, 1, 1, noisy=False)
+    assert clean.w_noise is None and clean.w_noise_secondary is None
+    assert clean.w_gate_secondary.std().item() == pytest.approx(0.02, rel=0.05)
+    assert clean.n_experts == 8 * 64 and clean.k == 1
+
+
+def test_pack_selection_width_is_the_widest_row():
+    from moee.moe.gates import _pack_selection
+
+    selected = torch.tensor([[True, False, False], [False, False, True]])
+    gates = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    weights, indices, mask = _pack_selection(selected, gates)
+    assert indices.tolist() == [[0], [2]] and mask.tolist() == [[True], [True]]
+    torch.testing.assert_close(weights, torch.tensor([[0.7], [0.6]]))
+    weights, indices, mask = _pack_selection(torch.zeros(2, 3, dtype=torch.bool), gates)
+    assert weights.shape == (2, 1) and not mask.any() and (weights == 0).all()
+    weights, indices, mask = _pack_selection(torch.zeros(0, 3, dtype=torch.bool), torch.zeros(0, 3))
+    assert weights.shape == indices.shape == mask.shape == (0, 1)
+
+
+def test_loads_are_float_counts_of_real_selections():
+    # a softmax gate whose second expert underflows to an exact 0 is not selected there
+    soft = SoftmaxGate(1, 2)
+    with torch.no_grad():
+        soft.w_gate.weight.copy_(torch.tensor([[0.0], [-1.0]]))
+    out = soft(torch.full((3, 1), 200.0))
+    assert out.aux["load"].tolist() == [3.0, 0.0] and out.aux["load"].dtype == torch.float32
+    x = torch.randn(12, 6)
+    assert _random_noisy_gate(2).eval()(x).aux["load"].dtype == torch.float32
+    assert BatchwiseBalancedGate(6, 4, 2).eval()(x).aux["load"].dtype == torch.float32
+    assert ExpertChoiceGate(6, 4)(x).aux["load"].dtype == torch.float32
+
+
+def test_batchwise_threshold_is_strict_and_examples_per_expert_floor():
+    gate = BatchwiseBalancedGate(4, 8, 1)
+    assert torch.equal(gate.thresholds.detach(), torch.full((8,), 1 / 8))
+    assert gate.examples_per_expert(4) == 1  # 4 // 8 = 0 -> at least 1
+    assert gate.examples_per_expert(40) == 5
+    gate.eval()
+    x = torch.randn(1, 4)
+    scores = torch.softmax(gate.w_gate(x), -1).detach()
+    with torch.no_grad():
+        gate.thresholds.copy_(scores[0])  # every score equals its threshold: none is above it
+    out = gate(x)
+    assert not out.mask.any() and (out.probs == 0).all()
+
+
+def test_expert_choice_capacity_defaults_and_unrouted_tokens():
+    gate = ExpertChoiceGate(4, 4)
+    assert gate.capacity(8) == 2 and gate.capacity(3) == 1  # factor 1, minimum 1
+    assert ExpertChoiceGate(4, 4, capacity_factor=0.1, minimum_capacity=3).capacity(8) == 3
+    torch.manual_seed(1)
+    gate = ExpertChoiceGate(4, 2, capacity_factor=0.25)  # capacity int(8 * 0.25 / 2) = 1
+    out = gate(torch.randn(8, 4))
+    routed = set(out.aux["expert_tokens"].flatten().tolist())
+    assert out.aux["capacity"].item() == 1 and len(routed) <= 2
+    assert out.aux["unrouted_tokens"].item() == 8 - len(routed)
+    assert ExpertChoiceGate(4, 2)(torch.randn(1, 4)).indices.shape == (1, 2)  # a single token works
+
+
+def test_hierarchical_single_member_group_and_logits():
+    gate = HierarchicalGate(4, 3, 2, 1, 1).eval()
+    with torch.no_grad():
+        gate.w_gate.weight.copy_(torch.eye(3, 4))  # group i <- feature i
+        gate.w_gate_secondary.normal_()
+    x = torch.eye(4)[[0, 0, 0, 0, 0, 1, 1, 1, 1, 2]] + 0.01 * torch.randn(10, 4)
+    out = gate(x)
+    assert out.aux["group_counts"].tolist() == [5.0, 4.0, 1.0]
+    assert out.aux["group_counts"].dtype == torch.float32
+    # eval: Load_H(i, j) = |X^(i)| * count_ij / |X^(i)| = count_ij, whatever the group size
+    counts = torch.bincount(out.indices.flatten(), minlength=6).float()
+    torch.testing.assert_close(out.aux["load"], counts)
+    assert out.aux["load"][4:].sum().item() == 1.0
+    torch.testing.assert_close(out.aux["primary_logits"], x @ gate.w_gate.weight.t())
+    sec = torch.stack([x @ gate.w_gate_secondary[i] for i in range(3)], 1)
+    torch.testing.assert_close(out.aux["secondary_logits"], sec)
+    # softmax over all experts of the logits = product of the two levels' dense softmaxes
+    product = torch.softmax(out.aux["primary_logits"], -1).unsqueeze(-1) * torch.softmax(sec, -1)
+    torch.testing.assert_close(torch.softmax(out.logits, -1), product.reshape(10, 6))
+
+
+def test_hierarchical_smooth_load_with_few_groups():
+    """k_secondary >= n_groups: the secondary level still uses the smooth estimator."""
+    torch.manual_seed(0)
+    gate = HierarchicalGate(6, 2, 4, 1, 2, w_load=1.0)
+    for p in gate.parameters():
+        torch.nn.init.normal_(p)
+    gate.train()
+    x = torch.randn(30, 6)
+    torch.manual_seed(9)
+    out = gate(x)
+    torch.manual_seed(9)
+    eps_p, eps_s = torch.randn(30, 2), torch.randn(30, 2, 4)
+    params = (gate.w_gate.weight, gate.w_noise.weight, gate.w_gate_secondary, gate.w_noise_secondary)
+    with torch.no_grad():
+        _, load = _naive_hierarchical(gate, x, eps_p, eps_s, params)
+    torch.testing.assert_close(out.aux["load"], load, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_free_gate_outputs_defaults_and_state():
+    torch.manual_seed(3)
+    gate = LossFreeBalancedGate(6, 4, 1)
+    assert gate.score_func == "sigmoid" and gate.auto_update
+    assert "pending_load" not in gate.state_dict()  # per-step scratch, not model state
+    x = torch.randn(10, 6)
+    with torch.no_grad():
+        gate.bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))  # forces expert 0 only
+    out = gate.train()(x)
+    assert out.aux["load"].tolist() == [10.0, 0.0, 0.0, 0.0]  # unused experts still have a slot
+    assert out.aux["bias"].tolist() == [5.0, 0.0, 0.0, 0.0]  # the bias this forward used
+    # default gamma 1e-3: overloaded expert down, the others up
+    torch.testing.assert_close(gate.bias, torch.tensor([5.0 - 1e-3, 1e-3, 1e-3, 1e-3]))
+    assert out.aux["loss"].item() == 0.0
+    assert out.probs.shape == (10, 4) and torch.equal(out.probs[:, 0], torch.ones(10))
+    torch.testing.assert_close(out.aux["importance"], torch.tensor([10.0, 0.0, 0.0, 0.0]))
