@@ -452,4 +452,18 @@ def test_plot_overlap_sweep_draws_every_curve(tmp_path, monkeypatch):
         assert ax.get_xscale() == "log" and ax.get_xlabel() == "k"
         assert ax.xaxis.get_transform().base == 2
     assert axes[0].get_legend() is not None and all(ax.get_legend() is None for ax in axes[1:])
+    paper = {line.get_label(): line for line in axes[0].get_lines()}["paper (DeepSeekMoE)"]
+    np.testing.assert_allclose(paper.get_ydata(), [0.29, 0.29])
+    assert (paper.get_color(), paper.get_linewidth()) == ("black", 0.8)
+    # layout: one row of panels, 4 inches each, 100 dpi; small fonts
+    assert tuple(fig.get_size_inches()) == pytest.approx((4 * len(METRICS), 3.4)) and fig.dpi == 100
+    assert [ax.get_position().x0 for ax in axes] == sorted(ax.get_position().x0 for ax in axes)
+    assert axes[0].title.get_fontsize() == 9
+    assert axes[0].get_legend().get_texts()[0].get_fontsize() == 6
+    plt.close(fig)
+    # a sweep of one k plots too
+    one = {"sweep": res["sweep"][:1]}
+    figures.clear()
+    plot_overlap_sweep({"toy": one}, tmp_path / "one.png")
+    assert len(figures[0].axes[0].get_lines()) == 4
     plt.close(fig)
