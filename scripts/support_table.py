@@ -19,7 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from moee.capture.oracle import check_architecture  # noqa: E402
-from moee.capture.registry import RULES, UNSUPPORTED, supported_architectures  # noqa: E402
+from moee.capture.registry import (  # noqa: E402
+    DEFAULT_SCORE,
+    RULES,
+    SCORES,
+    UNSUPPORTED,
+    supported_architectures,
+)
 
 NOTES = {
     "jetmoe": "attention routers (mixture of attention heads) found too; excluded from RW by default",
@@ -35,6 +41,8 @@ NOTES = {
     ),
     "llama4_text": "sigmoid of the top-k logits; dense form: sigmoid of all logits",
     "phimoe": "native = dense first stage of sparsemixer",
+    "dbrx": "router returns logits only; its block takes the top-k of the softmax",
+    "kolibri1": "the correction bias is added to the logits (not the sigmoid) for the selection",
 }
 
 
@@ -79,26 +87,30 @@ def main() -> int:
         f"**{len(rows)} architectures**, each passing the oracle check (`moee.capture.oracle`): on a tiny "
         "random model (hidden 64, 3 layers, 8 experts, top-2; dense first layer where the architecture "
         "has them) the distributions pooled inside the hooks equal those computed from the model's own "
-        "`output_router_logits`, for scores softmax / native / logits, last-token and mean pooling, left and "
-        "right padding (max abs diff column; tolerance 1e-5). Where the router returns its own top-k weights, "
-        "the native scores of the selected experts must be proportional to them (relative spread column, "
-        "tolerance 1e-4; for PhiMoE the top expert's weight must equal its native score): an independent "
-        "check of the scoring rule.",
+        f"`output_router_logits`, for scores {' / '.join(SCORES)}, last-token and mean pooling, left and "
+        "right padding (max abs diff column; tolerance 1e-5). Independently, for every architecture, against "
+        "what each MoE block actually dispatches (the experts and weights its experts module is called with): "
+        "the weights must be proportional to the native scores of the selected experts (relative spread "
+        "column, tolerance 1e-4; for PhiMoE the top expert's weight must equal its native score), the top-k "
+        "of the `selection` score must be the dispatched experts (fraction of real tokens column, must be "
+        '100%), and so must the recorded per-token selection, read from the router\'s own output ("router") '
+        'or, where the router returns none, re-derived from `selection` ("re-derived").',
         "",
         "| model_type | model class | router class | native score | MoE / dense layers (tiny) | max abs diff "
-        "| native vs router weights | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| native vs block weights | top-k of selection = dispatch | selection read from | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         dense = ",".join(map(str, r.dense_layers)) or "-"
         lines.append(
             f"| `{r.model_type}` | {r.model_class} | {r.router_class} | {r.rule} | {r.moe_layers} / {dense} | "
-            f"{r.worst:.1e} | {'-' if r.native_weight_spread is None else f'{r.native_weight_spread:.1e}'} | "
-            f"{NOTES.get(r.model_type, '')} |"
+            f"{r.worst:.1e} | {r.native_weight_spread:.1e} | {r.selection_agreement:.0%} | "
+            f"{'router' if r.selection_returned else 're-derived'} | {NOTES.get(r.model_type, '')} |"
         )
     lines += [
         "",
-        'Scoring rules (`score="native"`; `score="softmax"` is the paper\'s dense softmax for all):',
+        f'Scoring rules (`score="native"`{", the default" if DEFAULT_SCORE == "native" else ""}; '
+        '`score="softmax"` is the paper\'s dense softmax for all; `score="selection"` adds the selection-only bias and group limits):',
         "",
     ]
     lines += [f"- `{name}`: {rule.description}" for name, rule in RULES.items()]

@@ -10,6 +10,7 @@ import pytest
 from moee.capture.tiny import tiny_model, tiny_tokenizer
 from moee.cli import main
 from moee.embed.embedder import MoEEmbedder
+from moee.embed.methods import DEFAULT_SCORE
 from moee.io import read_embeddings, sidecar_path
 
 TEXTS = [
@@ -57,7 +58,7 @@ def test_embed_txt_matches_python_api(tmp_path, corpus, model_dir, embedder):
     np.testing.assert_allclose(arr, expected, atol=1e-5)
     assert meta["model"] == model_dir and meta["method"] == "moee_sum" and meta["pooling"] == "last"
     assert meta["prompt"] == "prompteol" and meta["prompt_template"].startswith("This sentence :")
-    assert meta["score"] == "softmax" and meta["alpha"] == 0.5 and meta["normalize"] is True
+    assert meta["score"] == DEFAULT_SCORE and meta["alpha"] == 0.5 and meta["normalize"] is True
     assert meta["array_dtype"] == "float32" and meta["shape"] == [len(TEXTS), 80]
     assert {"torch", "transformers", "moee"} <= set(meta["versions"])
     assert meta["command"] and meta["timestamp"] and meta["batch_size"] == 2

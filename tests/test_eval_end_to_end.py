@@ -16,6 +16,7 @@ from scipy.stats import spearmanr
 from moee.cli import main as cli_main
 from moee.data.offline import load_task_data
 from moee.embed.embedder import MoEEmbedder
+from moee.embed.methods import DEFAULT_SCORE
 from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache, model_identity
 from moee.evaluation.alpha import pair_similarities
 from moee.evaluation.runner import EvalSettings, run_evaluation
@@ -89,7 +90,7 @@ def test_adapter_satisfies_the_encoder_protocol(embedder):
         "method": "moee_sum",
         "pooling": "last",
         "prompt": "prompteol",
-        "score": "softmax",
+        "score": DEFAULT_SCORE,
         "alpha": 0.5,
     }
 
@@ -230,7 +231,7 @@ def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
             (row["tasks"]["lee_sts"] + row["tasks"]["fortunes_clustering"]) / 2
         )
     (key, by_prompt), *others = json.loads(summary["alpha_choices"].read_text()).items()
-    assert not others and key == f"moee/tiny-olmoe@{model_identity(embedder)[1]} pooling=last score=softmax"
+    assert not others and key == f"moee/tiny-olmoe@{model_identity(embedder)[1]} pooling=last score={DEFAULT_SCORE}"
     choices = by_prompt["none"]
     assert doc["run"]["alpha_choices"]["none"]["lee_sts"] == choices["lee_sts"]["alpha"]
     assert set(choices) == {"lee_sts", "fortunes_clustering"} and choices["lee_sts"]["n_texts"] == 50

@@ -10,6 +10,7 @@ from mteb import ResultCache
 from mteb.models import ModelMeta
 from mteb.results import TaskResult
 
+from moee.embed.methods import DEFAULT_SCORE
 from moee.evaluation.paper import FAMILIES, PAPER_TASKS, paper_model_key, paper_scores, paper_task_names
 from moee.evaluation.tables import (
     ResultSet,
@@ -26,7 +27,7 @@ OLMOE = "allenai/OLMoE-1B-7B-0924"
 
 
 def _system(model: str = "moee/m", method: str = "moee_sum", prompt: str = "prompteol", alpha=1.0) -> System:
-    cfg = {"method": method, "pooling": "last", "prompt": prompt, "score": "softmax"}
+    cfg = {"method": method, "pooling": "last", "prompt": prompt, "score": DEFAULT_SCORE}
     if method == "moee_sum":
         cfg["alpha"] = alpha
     return System(model, "rev", tuple(sorted(cfg.items())))

@@ -26,6 +26,8 @@ from itertools import combinations
 import numpy as np
 from scipy.stats import spearmanr
 
+from moee.embed.methods import DEFAULT_SCORE
+
 __all__ = [
     "STABILITY_METHODS",
     "pair_cosines",
@@ -105,7 +107,7 @@ def prompt_stability(
     *,
     prompts: Mapping[str, str] | None = None,
     gold: Sequence[float] | None = None,
-    score: str = "softmax",
+    score: str = DEFAULT_SCORE,
     progress: bool = True,
 ) -> dict:
     """Embed every pair under every prompt and compute the stability matrix and its summary.

@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from moee.embed.methods import METHODS, POOLINGS, SCORES
+from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
 from moee.embed.prompts import PROMPT_NAMES, resolve_prompt
 from moee.embed.validation import check_alpha, check_positive_int
 from moee.io import read_metadata, read_texts, run_metadata
@@ -92,7 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--pooling", choices=POOLINGS, default="last", help="token pooling (default: last)")
     p.add_argument(
-        "--score", choices=SCORES, default="softmax", help="routing scores: dense softmax, native, logits"
+        "--score",
+        choices=SCORES,
+        default=DEFAULT_SCORE,
+        help="routing scores: native (the architecture's own rule), softmax (the paper's), selection, logits",
     )
     p.add_argument(
         "--prompt",

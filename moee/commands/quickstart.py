@@ -56,7 +56,7 @@ def sample_texts(per_task: int = SAMPLE_PER_TASK) -> list[dict[str, str]]:
 
 def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=print) -> dict[str, Path]:
     """Step 1: HS, RW, MoEE concat and MoEE sum of the sample, with PromptEOL (one forward pass)."""
-    from moee.embed.methods import METHODS
+    from moee.embed.methods import DEFAULT_SCORE, METHODS
     from moee.evaluation.adapter import TraceCache, model_identity
     from moee.io import run_metadata, write_embeddings, write_json_atomic
 
@@ -64,7 +64,7 @@ def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=p
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "texts.json", {"rows": rows})
     start = time.perf_counter()
-    hs, rw = TraceCache(embedder, prompt="prompteol").get(texts)
+    hs, rw = TraceCache(embedder, prompt="prompteol", score=DEFAULT_SCORE).get(texts)
     log(
         f"embedded {len(texts)} texts in {time.perf_counter() - start:.1f}s (one forward pass for all methods)"
     )
@@ -80,7 +80,7 @@ def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=p
             "method": method,
             "prompt": "prompteol",
             "pooling": "last",
-            "score": "softmax",
+            "score": DEFAULT_SCORE,
             "alpha": 1.0 if method == "moee_sum" else None,
             "texts": "texts.json",
             **run_metadata(),

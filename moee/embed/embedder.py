@@ -48,7 +48,7 @@ from torch import nn
 
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import backbone, find_routers
-from moee.embed.methods import METHODS, POOLINGS, SCORES, combine, output_dim
+from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES, combine, output_dim
 from moee.embed.prompts import resolve_prompt, tokenize_prompts
 from moee.embed.validation import check_alpha, check_choice, check_positive_int, check_texts
 
@@ -100,7 +100,7 @@ class RoutingTrace:
     n_experts: int
     hs_all_layers: np.ndarray | None = None
     pooling: str = "last"
-    score: str = "softmax"
+    score: str = DEFAULT_SCORE
     prompt: str | None = None
 
 
@@ -336,7 +336,7 @@ class MoEEmbedder:
         *,
         pooling: str = "last",
         prompt: str | None = None,
-        score: str = "softmax",
+        score: str = DEFAULT_SCORE,
         hs_layers: bool = False,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
@@ -397,7 +397,7 @@ class MoEEmbedder:
         pooling: str = "last",
         prompt: str | None = None,
         alpha: float = 1.0,
-        score: str = "softmax",
+        score: str = DEFAULT_SCORE,
         batch_size: int = 32,
         normalize: bool = True,
         show_progress_bar: bool | None = None,
@@ -405,9 +405,11 @@ class MoEEmbedder:
         """Embed ``texts``: float32 ``[len(texts), dim]``, rows in input order.
 
         ``method`` is ``hs``, ``rw``, ``moee_concat`` or ``moee_sum`` (see ``moee.embed.methods``);
-        ``pooling`` ``last`` or ``mean``; ``score`` ``softmax`` (the paper's dense softmax),
-        ``native`` or ``logits``; ``prompt`` ``None``, ``"prompteol"``, a stability-prompt name or a
-        template with ``{text}``; ``alpha >= 0`` weighs RW in ``moee_sum``.
+        ``pooling`` ``last`` or ``mean``; ``score`` ``native`` (the default: the architecture's own
+        scoring rule, which for softmax routers is the paper's dense softmax), ``softmax`` (the
+        paper's formula for every architecture), ``selection`` or ``logits`` (see
+        ``moee.embed.methods.SCORES``); ``prompt`` ``None``, ``"prompteol"``, a stability-prompt name
+        or a template with ``{text}``; ``alpha >= 0`` weighs RW in ``moee_sum``.
         """
         texts = check_texts(texts)
         check_choice("method", method, METHODS)
@@ -429,7 +431,7 @@ class MoEEmbedder:
         texts: Sequence[str],
         *,
         prompt: str | None = None,
-        score: str = "softmax",
+        score: str = DEFAULT_SCORE,
         batch_size: int = 16,
     ) -> Iterator[TokenRoutes]:
         """Token-level routes, one :class:`TokenRoutes` per text in input order.

@@ -36,7 +36,7 @@ import numpy as np
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
-from moee.embed.methods import METHODS, POOLINGS, SCORES, combine
+from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES, combine
 from moee.embed.prompts import resolve_prompt
 from moee.embed.validation import check_alpha, check_choice, check_texts
 
@@ -145,7 +145,7 @@ class TraceCache:
     """
 
     def __init__(
-        self, embedder: Any, *, pooling: str = "last", prompt: str | None = None, score: str = "softmax"
+        self, embedder: Any, *, pooling: str = "last", prompt: str | None = None, score: str = DEFAULT_SCORE
     ):
         self.embedder = embedder
         self.pooling = check_choice("pooling", pooling, POOLINGS)
@@ -216,7 +216,7 @@ class MoEEMTEBEncoder(AbsEncoder):
         method: str = "moee_sum",
         pooling: str = "last",
         prompt: str | None = None,
-        score: str = "softmax",
+        score: str = DEFAULT_SCORE,
         alpha: float | str = 1.0,
         alpha_by_task: Mapping[str, float] | None = None,
         trace_cache: TraceCache | None = None,

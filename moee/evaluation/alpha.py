@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import rankdata, spearmanr
 
+from moee.embed.methods import DEFAULT_SCORE
 from moee.embed.validation import check_choice, check_positive_int
 
 #: The alpha grid: 2^(k/4) for k = -16..16, i.e. 1/16 ... 16 with 1.0 in the middle.
@@ -211,7 +212,7 @@ def write_alpha_sensitivity(
     prompts: Sequence[str | None] = (None, "prompteol"),
     task: str = "lee_sts",
     pooling: str = "last",
-    score: str = "softmax",
+    score: str = DEFAULT_SCORE,
     batch_size: int = 32,
     seed: int = 0,
 ) -> dict[str, Path]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from moee.embed.methods import METHODS, POOLINGS, SCORES
+from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
 from moee.embed.prompts import resolve_prompt
 from moee.embed.validation import check_alpha, check_choice, check_positive_int
 from moee.evaluation.adapter import (
@@ -84,7 +84,7 @@ class EvalSettings:
     out: Path = Path("eval/results/offline")
     baseline: bool = True
     pooling: str = "last"
-    score: str = "softmax"
+    score: str = DEFAULT_SCORE
     batch_size: int = 32
     device: str | None = None
     overwrite: bool = False

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moee.embed.methods import METHODS
+from moee.embed.methods import DEFAULT_SCORE, METHODS
 from moee.evaluation.paper import FAMILIES, paper_model_key, paper_scores, task_family
 
 #: Column headers of the family table (the paper's abbreviations).
@@ -94,7 +94,7 @@ class System:
             extras.append(f"alpha={s.get('alpha')}")
         if s.get("pooling", "last") != "last":
             extras.append(f"pooling={s['pooling']}")
-        if s.get("score", "softmax") != "softmax":
+        if s.get("score", DEFAULT_SCORE) != DEFAULT_SCORE:
             extras.append(f"score={s['score']}")
         return text + (f" ({', '.join(extras)})" if extras else "")
 
