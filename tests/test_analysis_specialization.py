@@ -490,3 +490,90 @@ def test_report_counts_the_routers_own_selection(model_type, monkeypatch):
     if model_type == "dbrx":  # its router returns no indices: the report says they are re-derived
         assert set(sources) == {SELECTION_CAPTURE_DERIVED}
     assert html.escape(rep["summary"]["selection"]) in render_html(rep)
+
+
+# ---------------------------------------------------------------------- statistics helpers, by hand
+
+
+def test_cv_and_entropy_hand_computed():
+    from moee.analysis.specialization import _cv, _entropy
+
+    assert _cv(np.array([0.2, 0.6])) == pytest.approx(0.2 / 0.4)  # population std 0.2, mean 0.4
+    assert _cv(np.zeros(3)) == 0.0  # no load at all: 0, not NaN
+    assert _entropy(np.array([0, 2, 2])) == pytest.approx(np.log(2))  # empty experts ignored
+    assert _entropy(np.array([1, 1])) == pytest.approx(np.log(2))
+    assert _entropy(np.array([0.25, 0.75])) == pytest.approx(-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)))
+    assert _entropy(np.zeros(2)) == 0.0
+
+
+def test_nmi_and_matching_of_tables_hand_computed():
+    from moee.analysis.specialization import _matched_from_table, _nmi_from_table
+
+    # [[2, 0], [1, 1]] over 4 tokens: MI = sum p_ij log(p_ij / (p_i p_j)); arithmetic-mean entropies
+    mi = (
+        0.5 * np.log(0.5 / (0.5 * 0.75))
+        + 0.25 * np.log(0.25 / (0.5 * 0.75))
+        + 0.25 * np.log(0.25 / (0.5 * 0.25))
+    )
+    h_rows, h_cols = np.log(2), -(0.75 * np.log(0.75) + 0.25 * np.log(0.25))
+    table = np.array([[2.0, 0.0], [1.0, 1.0]])
+    assert _nmi_from_table(table) == pytest.approx(mi / ((h_rows + h_cols) / 2))
+    # a 2x3 table: the same formula written out cell by cell
+    t = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 3.0]])
+    n, r, c = t.sum(), t.sum(1), t.sum(0)
+    mi = sum(t[i, j] / n * np.log(n * t[i, j] / (r[i] * c[j])) for i in range(2) for j in range(3) if t[i, j])
+    h = lambda v: -sum(x / n * np.log(x / n) for x in v if x)  # noqa: E731
+    assert _nmi_from_table(t) == pytest.approx(mi / ((h(r) + h(c)) / 2))
+    assert _nmi_from_table(np.array([[2.0, 0.0], [0.0, 2.0]])) == pytest.approx(1.0)
+    assert _nmi_from_table(np.array([[3.0]])) == 1.0  # one expert on each side: identical
+    assert _nmi_from_table(np.array([[1.0]])) == 1.0
+    assert _nmi_from_table(np.zeros((2, 2))) == 0.0
+    # best one-to-one matching: [[3, 2], [2, 0]] -> 2 + 2 of 7 (greedy would take 3 + 0)
+    assert _matched_from_table(np.array([[3, 2], [2, 0]])) == pytest.approx(4 / 7)
+    assert _matched_from_table(np.array([[1]])) == 1.0
+    assert _matched_from_table(np.zeros((2, 2))) == 0.0
+
+
+def test_group_blocks_by_hand():
+    from moee.analysis.specialization import _group_blocks
+
+    ends = np.array([2, 5, 6, 10])  # groups of 2, 3, 1, 4 tokens
+    assert list(_group_blocks(ends, 2, 5)) == [(0, 2, 0, 5), (2, 4, 5, 10)]
+    assert list(_group_blocks(ends, 10, 5)) == [(0, 2, 0, 5), (2, 4, 5, 10)]
+    assert list(_group_blocks(ends, 1, 100)) == [(0, 1, 0, 2), (1, 2, 2, 5), (2, 3, 5, 6), (3, 4, 6, 10)]
+    assert list(_group_blocks(np.array([2, 5]), 10, 5)) == [(0, 2, 0, 5)]  # exactly max_tokens fits
+    assert list(_group_blocks(np.array([10, 12]), 10, 3)) == [
+        (0, 1, 0, 10),
+        (1, 2, 10, 12),
+    ]  # a long group alone
+
+
+def test_permuted_group_max_edge_cases():
+    from moee.analysis.specialization import _permuted_group_max
+
+    rng = np.random.default_rng(0)
+    one_route = np.array([[[1, 3]]])  # R=1, L=1, k=2: every token draws experts 1 and 3
+    out = _permuted_group_max(np.array([1, 4]), one_route, 4, rng)
+    assert out.dtype == np.int64 and out.tolist() == [[1], [4]]
+    assert _permuted_group_max(np.array([1]), np.array([[[0, 1]], [[2, 3]]]), 4, rng).tolist() == [[1]]
+    assert _permuted_group_max(np.array([3]), np.zeros((0, 1, 2), dtype=np.int16), 4, rng).tolist() == [[0]]
+    # many layers x k: the groups span several token blocks, each group still counted whole
+    L, k, E = 64, 64, 64
+    sample = np.broadcast_to(np.arange(k, dtype=np.int16), (5, L, k))  # every route selects every expert
+    sizes = np.array([1500, 1500, 1500])
+    assert (_permuted_group_max(sizes, sample, E, rng) == sizes[:, None]).all()
+
+
+def test_random_table_keeps_both_margins():
+    from moee.analysis.specialization import _random_table
+
+    rows, cols = np.array([1, 2, 0, 3]), np.array([3, 1, 2])
+    for seed in range(5):
+        table = _random_table(rows, cols, np.random.default_rng(seed))
+        assert table.sum(1).tolist() == rows.tolist() and table.sum(0).tolist() == cols.tolist()
+
+
+def test_selected_duplicate_message():
+    acc = SpecializationAccumulator(1, 4, 2)
+    with pytest.raises(ValueError, match="^selected lists the same expert twice for one token$"):
+        acc.update(np.array([1]), np.full((1, 1, 4), 0.25), text_index=0, selected=np.array([[[2, 2]]]))
