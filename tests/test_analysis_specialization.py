@@ -577,3 +577,57 @@ def test_selected_duplicate_message():
     acc = SpecializationAccumulator(1, 4, 2)
     with pytest.raises(ValueError, match="^selected lists the same expert twice for one token$"):
         acc.update(np.array([1]), np.full((1, 1, 4), 0.25), text_index=0, selected=np.array([[[2, 2]]]))
+
+
+def test_layer_agreement_baseline_with_unequal_margins():
+    """Layer 0 first choices e0 e0 e0 e1, layer 1 e0 e1 e1 e1. Pairing them at random, the single
+    e0 of layer 1 meets an e0 of layer 0 with probability 3/4 (table [[1, 2], [0, 1]], best
+    matching 2 of 4) and the e1 otherwise ([[0, 3], [1, 0]], 4 of 4): 3/4 * 1/2 + 1/4 * 1 = 5/8."""
+    acc = SpecializationAccumulator(2, 2, 1, permutations=3000, seed=4)
+    hi, lo = [0.9, 0.1], [0.1, 0.9]
+    route = np.array([[hi, hi], [hi, lo], [hi, lo], [lo, lo]])
+    acc.update(np.array([1, 2, 3, 4]), route, text_index=0)
+    pair = acc.result(decode, min_token_count=1)["layer_agreement"]["pairs"][0]
+    assert pair["matched_baseline"] == pytest.approx(5 / 8, abs=0.02)
+
+
+def test_repetition_baseline_for_one_and_two_tokens():
+    acc = SpecializationAccumulator(2, 3, 1)
+    acc.update(np.array([1]), TEXT1, text_index=0)
+    assert acc.baselines()["repetition"] == [0.0, 0.0]  # no pair of tokens at all
+    acc = SpecializationAccumulator(2, 3, 1)
+    acc.update(np.array([1, 2]), np.concatenate([TEXT1, TEXT1]), text_index=0)
+    assert acc.baselines()["repetition"] == [1.0, 1.0]  # the only two tokens share their choice
+
+
+def test_baselines_method_block_and_min_token_count():
+    acc = SpecializationAccumulator(1, 2, 1, permutations=4, seed=9)
+    probs = np.array([[[0.9, 0.1]], [[0.8, 0.2]], [[0.3, 0.7]], [[0.1, 0.9]], [[0.6, 0.4]]])
+    acc.update(np.array([5, 5, 6, 6, 7]), probs, text_index=0, domain="d")
+    base = acc.baselines()
+    assert base == acc.baselines(5)  # the default min_token_count is 5, and the result is seeded
+    assert base["vocabulary"] == [None]  # no type seen 5 times
+    assert acc.baselines(2)["vocabulary"][0] is not None  # types seen exactly twice count
+    assert base["method"] == {
+        "kind": "permutation",
+        "permutations": 4,
+        "seed": 9,
+        "sampled_tokens": 5,
+        "exact": True,
+        "vocabulary": "routes shuffled against tokens (token types seen >= min_token_count times)",
+        "domains": "token routes shuffled against domain labels",
+        "layer_agreement": "first choices of layer l+1 shuffled against layer l (exact margins)",
+        "repetition": "first choices shuffled against positions (exact expectation)",
+        "coactivation": "none by permutation (shuffling routes keeps each token's set); "
+        "reference (k-1)/(E-1) is uniform independent choice",
+    }
+
+
+def test_permuted_group_max_with_replacement_draws_every_route():
+    from moee.analysis.specialization import _permuted_group_max
+
+    sample = np.array([[[0]], [[1]]])  # two routes: expert 0 or expert 1 (k=1)
+    maxima = [
+        _permuted_group_max(np.array([200]), sample, 2, np.random.default_rng(s))[0, 0] for s in range(5)
+    ]
+    assert all(100 <= m < 140 for m in maxima)  # about half each, never all of one
