@@ -631,3 +631,43 @@ def test_permuted_group_max_with_replacement_draws_every_route():
         _permuted_group_max(np.array([200]), sample, 2, np.random.default_rng(s))[0, 0] for s in range(5)
     ]
     assert all(100 <= m < 140 for m in maxima)  # about half each, never all of one
+
+
+def test_vocabulary_section_by_hand():
+    """L=1, E=4, k=1. Type 6: 8 times, always expert 2; types 10..29: twice each, always expert
+    id % 4; type 5: three times, experts 1, 1, 3. Ranking score max_ratio * log(1 + N_x)."""
+    ids, experts = [6] * 8, [2] * 8
+    for t in range(10, 30):
+        ids += [t, t]
+        experts += [t % 4, t % 4]
+    ids += [5, 5, 5]
+    experts += [1, 1, 3]
+    probs = np.full((len(ids), 1, 4), 0.1)
+    probs[np.arange(len(ids)), 0, experts] = 0.7
+    acc = SpecializationAccumulator(1, 4, 1, permutations=2)
+    acc.update(np.array(ids), probs, text_index=0)
+    voc = acc.result(decode, min_token_count=2)["vocabulary"]
+    (layer,) = voc["by_layer"]
+    assert voc["min_token_count"] == 2 and layer["layer"] == 0 and layer["n_token_types"] == 22
+    assert layer["weighted_max_ratio"] == pytest.approx((8 + 40 + 2) / 51)
+    top = layer["top"]
+    assert len(top) == 15
+    assert top[0] == {"token": "w6", "expert": 2, "ratio": 1.0, "n_x": 8}
+    # the 20 tied types keep their id order (stable sort); type 5 (2/3 * log 4) comes after them
+    assert [t["token"] for t in top[1:]] == [f"w{t}" for t in range(10, 24)]
+    assert [t["expert"] for t in top[1:]] == [t % 4 for t in range(10, 24)]
+    assert all(t["n_x"] == 2 and t["ratio"] == 1.0 for t in top[1:])
+    # the last type in id order (29, ratio 1) and the split type get the right best expert
+    full = acc.result(decode, min_token_count=3)["vocabulary"]["by_layer"][0]
+    assert full["top"] == [
+        {"token": "w6", "expert": 2, "ratio": 1.0, "n_x": 8},
+        {"token": "w5", "expert": 1, "ratio": pytest.approx(2 / 3), "n_x": 3},
+    ]
+    # no type qualifies in any layer: an empty entry per layer
+    acc = SpecializationAccumulator(2, 3, 1)
+    acc.update(TEXT0_IDS, TEXT0, text_index=0)
+    empty = acc.result(decode, min_token_count=5)["vocabulary"]["by_layer"]
+    assert empty == [
+        {"layer": i, "n_token_types": 0, "weighted_max_ratio": None, "top": [], "baseline": None}
+        for i in range(2)
+    ]
