@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from moee.analysis.overlap import METRICS, overlap_for_texts, plot_overlap_sweep
-from moee.data.offline import load_task_data
+from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
 from moee.io import run_metadata, write_json_atomic
 

@@ -111,11 +111,21 @@ def _read_txt(path: Path) -> Iterator[str]:
         raise ValueError(f"{path} is empty: no texts to read")
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    n = 0
-    with open(path, "rb") as f:
+def iter_jsonl(
+    path: str | os.PathLike | Any, *, skip_blank: bool = True
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every line of a JSONL file: the one JSONL reader of the package.
+
+    ``path`` is a file path or an ``importlib.resources`` traversable (package data). A line that
+    is not valid UTF-8 JSON or not an object is a ``ValueError`` naming the file and line; a blank
+    line is skipped, or with ``skip_blank=False`` is an error too (input rows stay aligned with lines).
+    """
+    source = Path(path) if isinstance(path, (str, os.PathLike)) else path
+    with source.open("rb") as f:
         for n, raw in enumerate(f, start=1):
             if not raw.strip():
+                if skip_blank:
+                    continue
                 raise ValueError(f"{path}:{n}: blank line; every line of a .jsonl file must be a JSON object")
             try:
                 record = json.loads(raw)
@@ -123,23 +133,27 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
                 raise ValueError(f"{path}:{n}: invalid JSON ({exc})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
-            if field not in record:
-                keys = ", ".join(map(repr, record)) or "none"
-                raise ValueError(f"{path}:{n}: no field {field!r} (keys: {keys}); choose one with --field")
-            value = record[field]
-            if not isinstance(value, str):
-                raise TypeError(f"{path}:{n}: field {field!r} must be a string, got {type(value).__name__}")
-            yield value
+            yield n, record
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    n = 0
+    for n, record in iter_jsonl(path, skip_blank=False):
+        if field not in record:
+            keys = ", ".join(map(repr, record)) or "none"
+            raise ValueError(f"{path}:{n}: no field {field!r} (keys: {keys}); choose one with --field")
+        value = record[field]
+        if not isinstance(value, str):
+            raise TypeError(f"{path}:{n}: field {field!r} must be a string, got {type(value).__name__}")
+        yield value
     if n == 0:
         raise ValueError(f"{path} is empty: no texts to read")
 
 
 def _read_parquet(path: Path, field: str, batch_rows: int = 8192) -> Iterator[str]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as exc:  # pragma: no cover - pyarrow ships with the default install
-        raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from exc
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if field not in names:

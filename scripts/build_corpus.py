@@ -15,9 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from moee.data.corpus import build_corpus, manifest_markdown
-from moee.data.offline import OFFLINE_TASKS, task_texts
-from moee.data.sources import TRAINING_SOURCES, DataPaths, reserved_eval_texts
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # moee_build lives in the checkout, not in the installed package
+
+from moee.data.offline_tasks import OFFLINE_TASKS, task_texts  # noqa: E402
+from moee_build.corpus import build_corpus, manifest_markdown  # noqa: E402
+from moee_build.sources import TRAINING_SOURCES, DataPaths, reserved_eval_texts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

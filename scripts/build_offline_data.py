@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build the committed offline evaluation data under moee/data/offline/ from the real sources.
 
-Every task samples only texts that moee/data/exclusions.py reserves for evaluation and that do not
+Every task samples only texts that moee_build/exclusions.py reserves for evaluation and that do not
 leak into any training source (checked against every document of every training source: a run of
 8 shared words, a whole-document copy, or a credit to a training source's author; see LEAK_RULE and
 data/SOURCES.md). Writes each task's files and metadata.json (with its leak counts) and
@@ -26,9 +26,13 @@ from functools import lru_cache
 from importlib.metadata import version
 from pathlib import Path
 
-import moee
-from moee.data.corpus import LeakReport, find_leaks
-from moee.data.exclusions import (
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # moee_build lives in the checkout, not in the installed package
+
+import moee  # noqa: E402
+from moee.data.offline_tasks import LEAK_CHECK_FILE, OFFLINE_TASKS, OfflineTask  # noqa: E402
+from moee_build.corpus import LeakReport, find_leaks  # noqa: E402
+from moee_build.exclusions import (  # noqa: E402
     EVAL_BIBLE_BOOKS,
     EVAL_FORTUNE_CATEGORIES,
     LEAK_MIN_WORDS,
@@ -40,8 +44,7 @@ from moee.data.exclusions import (
     span_words,
     text_key,
 )
-from moee.data.offline import LEAK_CHECK_FILE, OFFLINE_TASKS, OfflineTask
-from moee.data.sources import (
+from moee_build.sources import (  # noqa: E402
     KJV_MODULE,
     SOURCES,
     TRAINING_SOURCES,
@@ -150,7 +153,7 @@ def _candidates(paths: DataPaths) -> dict[str, list[str]]:
 @lru_cache(maxsize=1)
 def training_leaks(paths: DataPaths) -> tuple[dict[str, tuple[str, ...]], LeakReport]:
     """Normalised text key -> the training sources it leaks into, for every candidate text of
-    every task, checked against every training source (``moee.data.corpus.find_leaks``)."""
+    every task, checked against every training source (``moee_build.corpus.find_leaks``)."""
     texts = list(dict.fromkeys(t for ts in _candidates(paths).values() for t in ts))
     report = find_leaks(texts, TRAINING_SOURCES, paths)
     leaks: dict[str, tuple[str, ...]] = {}
@@ -486,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_leak_check(path: Path, paths: DataPaths, command: str) -> None:
     """The committed record of the leak check: its rule, per task the candidates left out per
     source, and per source the keys of the spans it shares with any candidate (see
-    ``moee.data.offline.committed_leaks``), so the committed data can be re-checked anywhere."""
+    ``moee.data.offline_tasks.committed_leaks``), so the committed data can be re-checked anywhere."""
     leaks, report = training_leaks(paths)
     spans = {}
     for source in TRAINING_SOURCES:

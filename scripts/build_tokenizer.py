@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from moee.data.corpus import iter_corpus
-from moee.data.tokenizer import iter_texts, train_tokenizer
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # moee_build lives in the checkout, not in the installed package
+
+from moee_build.corpus import iter_corpus  # noqa: E402
+from moee_build.tokenizer import iter_texts, train_tokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from moee.data.corpus import SpanIndex, find_contained, find_leaks, iter_corpus
-from moee.data.exclusions import (
+from moee.data.offline_tasks import (
+    FAMILIES,
+    OFFLINE_TASKS,
+    SCHEMAS,
+    load_leak_check,
+    load_task_data,
+    load_task_metadata,
+    task_texts,
+    tasks_by_family,
+)
+from moee_build.corpus import SpanIndex, committed_leaks, find_contained, find_leaks, iter_corpus
+from moee_build.exclusions import (
     EVAL_BIBLE_BOOKS,
     EVAL_FORTUNE_CATEGORIES,
     LEAK_MIN_WORDS,
@@ -18,18 +30,7 @@ from moee.data.exclusions import (
     is_eval_synset,
     text_key,
 )
-from moee.data.offline import (
-    FAMILIES,
-    OFFLINE_TASKS,
-    SCHEMAS,
-    committed_leaks,
-    load_leak_check,
-    load_task_data,
-    load_task_metadata,
-    task_texts,
-    tasks_by_family,
-)
-from moee.data.sources import FORTUNES_DIR, TRAINING_SOURCES, DataPaths
+from moee_build.sources import FORTUNES_DIR, TRAINING_SOURCES, DataPaths
 
 CORPUS = Path(__file__).resolve().parents[1] / "build" / "corpus" / "train.jsonl"
 
@@ -217,3 +218,52 @@ def test_no_eval_text_shares_a_long_span_with_the_training_corpus() -> None:
     index = SpanIndex(texts)
     hits = set().union(*(index.matches(r["text"]) for r in iter_corpus(CORPUS)))
     assert [texts[i][:60] for i in sorted(hits)[:5]] == []
+
+
+def test_build_code_is_not_part_of_the_installed_package():
+    """The builders live in ``moee_build`` (never imported by ``moee``, not packaged); the runtime
+    ``moee.data`` only holds the committed files and their loader ``offline_tasks``."""
+    import importlib.util
+
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("sources", "corpus", "exclusions", "tokenizer", "offline"):
+        assert importlib.util.find_spec(f"moee.data.{name}") is None or name == "offline"
+    assert (root / "moee" / "data" / "offline").is_dir() and not (
+        root / "moee" / "data" / "offline.py"
+    ).exists()
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    packages = find_packages(str(root), **config["packages"]["find"])
+    assert "moee.data" in packages and not any(p.split(".")[0] == "moee_build" for p in packages)
+    assert "data/offline/**/*" in config["package-data"]["moee"]
+    code = (
+        "import sys, moee.data, moee.data.offline_tasks, moee.evaluation.tasks, moee.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith('moee_build')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip() == "[]"
+
+
+def test_offline_rows_and_corpus_records_share_the_package_jsonl_reader(tmp_path, monkeypatch):
+    """One JSONL reader (``moee.io.iter_jsonl``): blank lines skipped, a bad line named by number."""
+    import moee.data.offline_tasks as offline_tasks
+    import moee.io
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a", "label": 1}\n\n{"text": "b", "label": 2}\n[1]\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows.jsonl:4: expected a JSON object, got list"):
+        offline_tasks._read_rows(path, ("text", "label"))
+    with pytest.raises(ValueError, match=r"rows.jsonl:4: expected a JSON object, got list"):
+        list(iter_corpus(path))
+    path.write_text('{"text": "a", "label": 1}\n\n{"text": "b"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 3 lacks field\(s\) \['label'\]"):
+        offline_tasks._read_rows(path, ("text", "label"))
+    assert [r["text"] for r in iter_corpus(path)] == ["a", "b"]
+    calls = []
+    real = moee.io.iter_jsonl
+    monkeypatch.setattr(offline_tasks, "iter_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
+    load_task_data("fortunes_classification")
+    assert len(calls) == 2  # train.jsonl and test.jsonl

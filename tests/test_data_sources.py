@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moee.data.corpus import (
+from moee_build.corpus import (
     SpanIndex,
     build_corpus,
     chunk_text,
@@ -16,7 +16,7 @@ from moee.data.corpus import (
     is_heldout,
     iter_corpus,
 )
-from moee.data.exclusions import (
+from moee_build.exclusions import (
     WORDNET_EVAL_MODULUS,
     attributed_source,
     attribution,
@@ -27,7 +27,7 @@ from moee.data.exclusions import (
     strip_attribution,
     text_key,
 )
-from moee.data.sources import (
+from moee_build.sources import (
     SOURCES,
     TRAINING_SOURCES,
     DataPaths,
@@ -268,7 +268,7 @@ def test_missing_package_is_a_clear_error(tmp_path: Path) -> None:
 def test_tokenizer_training_is_deterministic_and_configured(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from moee.data.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+    from moee_build.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
 
     texts = [f"The {w} sat on the mat number {i}." for i in range(200) for w in ("cat", "dog", "naïve café")]
     a = train_tokenizer(texts, vocab_size=400)

@@ -14,7 +14,7 @@ from mteb.models import EncoderProtocol
 from scipy.stats import spearmanr
 
 from moee.cli import main as cli_main
-from moee.data.offline import load_task_data
+from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
 from moee.embed.methods import DEFAULT_SCORE
 from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache, model_identity

@@ -219,7 +219,7 @@ def test_tokenize_prompts_counts_the_cut_and_rejects_a_template_too_long(tiny):
 def test_long_texts_under_prompteol_with_the_bundled_model():
     """The bundled model declares the 256-token context it was trained on, and a long real text cut
     to it under PromptEOL still ends with the template (byte-level BPE: offsets, merges)."""
-    from moee.data.offline import load_task_data
+    from moee.data.offline_tasks import load_task_data
     from moee.embed.embedder import MoEEmbedder
 
     emb = MoEEmbedder.from_pretrained(None, device="cpu")

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def sample_texts(per_task: int = SAMPLE_PER_TASK) -> list[dict[str, str]]:
     """The first ``per_task`` distinct texts of every offline task (deterministic)."""
-    from moee.data.offline import OFFLINE_TASKS, load_task_data
+    from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data
 
     rows: list[dict[str, str]] = []
     for name in OFFLINE_TASKS:

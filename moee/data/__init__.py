@@ -1,3 +1,3 @@
-"""Real, offline text data: source readers (``sources``), the evaluation/training split
-(``exclusions``), the training corpus (``corpus``), the tokenizer (``tokenizer``) and the committed
-offline evaluation sets (``offline``). See ``data/SOURCES.md`` for licences and citations."""
+"""The committed offline evaluation data (``offline/<task>/*.jsonl``) and its loader
+(``offline_tasks``). The code that builds it lives outside the installed package, in
+``moee_build/`` (``scripts/build_offline_data.py``); see ``data/SOURCES.md`` for licences and citations."""

@@ -229,7 +229,7 @@ def write_alpha_sensitivity(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moee.data.offline import OFFLINE_TASKS, load_task_data
+    from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data
     from moee.evaluation.adapter import TraceCache, model_identity
 
     if OFFLINE_TASKS.get(task) is None or OFFLINE_TASKS[task].family != "STS":

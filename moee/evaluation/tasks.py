@@ -1,6 +1,6 @@
 """Offline mteb tasks built from the committed real data in ``moee/data/offline/``.
 
-One mteb task per offline data set (``moee.data.offline.OFFLINE_TASKS``), named like its data
+One mteb task per offline data set (``moee.data.offline_tasks.OFFLINE_TASKS``), named like its data
 folder, so ``--tasks lee_sts,bible_verse_retrieval`` means the same thing everywhere:
 
 =============================  ==================  ==========================================
@@ -52,7 +52,7 @@ from mteb.abstasks import (
 )
 from mteb.abstasks.task_metadata import TaskMetadata
 
-from moee.data.offline import OFFLINE_TASKS, load_task_data, load_task_metadata, task_dir
+from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data, load_task_metadata, task_dir
 
 #: All offline task names, in the order of the tables.
 OFFLINE_TASK_NAMES: tuple[str, ...] = tuple(OFFLINE_TASKS)

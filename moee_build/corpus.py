@@ -1,4 +1,4 @@
-"""Building the language-model training corpus from the sources in ``moee.data.sources``.
+"""Building the language-model training corpus from the sources in ``moee_build.sources``.
 
 Documents are cut into paragraph-aligned chunks of at most ``max_words`` words, exact duplicates
 (after ``normalize_text``) are dropped, any chunk equal to an evaluation text is dropped, any
@@ -17,17 +17,21 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from moee.data.exclusions import (
+from moee.data.offline_tasks import load_leak_check
+from moee.io import iter_jsonl
+from moee_build.exclusions import (
     LEAK_MIN_WORDS,
     LEAK_SPAN_WORDS,
     attributed_source,
     normalize_text,
+    span_key,
     span_words,
     stable_bucket,
     text_key,
 )
-from moee.data.sources import SOURCES, TRAINING_SOURCES, DataPaths, iter_documents
+from moee_build.sources import SOURCES, TRAINING_SOURCES, DataPaths, iter_documents
 
 HELDOUT_MODULUS = 100  # one chunk in 100 is held out
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
@@ -175,7 +179,7 @@ def build_corpus(
             "sha256": _sha256(path),
         }
     manifest = {
-        "description": "moee language-model training corpus (evaluation texts excluded; see moee/data/exclusions.py)",
+        "description": "moee language-model training corpus (evaluation texts excluded; see moee_build/exclusions.py)",
         "command": command,
         "max_words": max_words,
         "seed": seed,
@@ -183,7 +187,7 @@ def build_corpus(
         "dedup_rule": "exact match of NFKC-normalised, casefolded, whitespace-collapsed text",
         "eval_texts_checked": len(eval_keys),
         "span_rule": f"chunks sharing a run of {spans.span} words with one of {spans.n_texts} offline evaluation texts "
-        "dropped (moee.data.corpus.SpanIndex)",
+        "dropped (moee_build.corpus.SpanIndex)",
         "files": files,
         "sources": {
             name: {
@@ -235,14 +239,10 @@ def _sha256(path: Path) -> str:
 
 def iter_corpus(path: str | Path) -> Iterator[dict[str, str]]:
     """Records (``{"text", "source"}``) of a corpus JSONL file, in file order."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with a 'text' string")
-            yield rec
+    for lineno, rec in iter_jsonl(path):
+        if not isinstance(rec.get("text"), str):
+            raise ValueError(f"{path}:{lineno}: expected an object with a 'text' string")
+        yield rec
 
 
 def manifest_markdown(manifest: dict) -> str:
@@ -264,11 +264,6 @@ def manifest_markdown(manifest: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def normalized_corpus_text(path: str | Path) -> str:
-    """All chunk texts of a corpus file, normalised and joined (for leakage checks)."""
-    return "\n".join(normalize_text(r["text"]) for r in iter_corpus(path))
-
-
 __all__ = [
     "CorpusStats",
     "LeakReport",
@@ -279,7 +274,6 @@ __all__ = [
     "is_heldout",
     "iter_corpus",
     "manifest_markdown",
-    "normalized_corpus_text",
 ]
 
 
@@ -322,7 +316,7 @@ def find_contained(texts: list[str], haystack: Iterable[str], *, ngram: int = 4)
 class SpanIndex:
     """Word shingles of a set of texts, to find which of them share a long span with another text.
 
-    Every run of ``span`` consecutive words (``moee.data.exclusions.span_words``: attribution
+    Every run of ``span`` consecutive words (``moee_build.exclusions.span_words``: attribution
     stripped, normalised, punctuation ignored) of each indexed text goes into a hash table, so
     one pass over a document finds every indexed text that shares such a run with it, whatever
     the size of the haystack. A text of ``min_words`` to ``span - 1`` words matches when all of
@@ -406,7 +400,7 @@ def find_leaks(
     A text leaks into a source when it shares a run of ``span`` words with one of its documents
     (a text of ``min_words`` to ``span - 1`` words: all its words in a row; see ``SpanIndex``),
     when its normalised text equals a whole document (the shortest texts), or when its
-    attribution names the source's author (``moee.data.exclusions.attributed_source``).
+    attribution names the source's author (``moee_build.exclusions.attributed_source``).
     """
     texts = list(texts)
     index = SpanIndex(texts, span=span, min_words=min_words)
@@ -424,3 +418,29 @@ def find_leaks(
         hits.update(i for i, text in enumerate(texts) if attributed_source(text) == name)
         by_source[name], spans[name] = hits, shared
     return LeakReport(texts, by_source, spans)
+
+
+def committed_leaks(texts: list[str], check: dict[str, Any] | None = None) -> dict[str, list[int]]:
+    """For each training source, the indices of ``texts`` that share a recorded span with it or
+    whose attribution names its author (the committed form of ``find_leaks``,
+    checkable without the training sources installed)."""
+    check = check or load_leak_check()
+    span = int(check["span_words"])
+    keys = []
+    for text in texts:
+        words = span_words(text)
+        if len(words) >= span:
+            keys.append({span_key(words[j : j + span]) for j in range(len(words) - span + 1)})
+        else:
+            keys.append({span_key(words)} if words else set())
+    out: dict[str, list[int]] = {}
+    for source, recorded in check["spans"].items():
+        recorded = set(recorded)
+        hits = [
+            i
+            for i, (text, ks) in enumerate(zip(texts, keys))
+            if ks & recorded or attributed_source(text) == source
+        ]
+        if hits:
+            out[source] = hits
+    return out

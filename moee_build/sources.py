@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moee.data.exclusions import (
+from moee_build.exclusions import (
     EVAL_ONLY_SOURCES,
     is_eval_bible_book,
     is_eval_fortune_category,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from moee.io import iter_jsonl
+
 FAMILIES = ("STS", "Classification", "Clustering", "PairClassification", "Retrieval")
 
 
@@ -141,17 +143,13 @@ def task_dir(name: str) -> resources.abc.Traversable:
     return resources.files("moee.data").joinpath("offline", name)
 
 
-def _read_jsonl(res: resources.abc.Traversable, required: tuple[str, ...]) -> list[dict[str, Any]]:
+def _read_rows(res: resources.abc.Traversable, required: tuple[str, ...]) -> list[dict[str, Any]]:
     rows = []
-    with res.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise ValueError(f"{res}: line {lineno} lacks field(s) {missing}")
-            rows.append(row)
+    for lineno, row in iter_jsonl(res):
+        missing = [k for k in required if k not in row]
+        if missing:
+            raise ValueError(f"{res}: line {lineno} lacks field(s) {missing}")
+        rows.append(row)
     return rows
 
 
@@ -174,7 +172,7 @@ def load_task_data(name: str) -> dict[str, Any]:
         res = folder.joinpath(f"{stem}.jsonl")
         if not res.is_file():
             raise ValueError(f"offline task {name!r}: missing data file {stem}.jsonl")
-        rows = _read_jsonl(res, required)
+        rows = _read_rows(res, required)
         if len(rows) != task.sizes[stem]:
             raise ValueError(
                 f"offline task {name!r}: {stem}.jsonl has {len(rows)} rows, expected {task.sizes[stem]}"
@@ -203,7 +201,7 @@ def task_texts(name: str) -> list[str]:
 
 
 #: The committed record of the leak check (``scripts/build_offline_data.py``): its rule, and per
-#: training source the keys (``moee.data.exclusions.span_key``) of the word spans that source
+#: training source the keys (``moee_build/exclusions.py``: ``span_key``) of the word spans that source
 #: shares with any candidate evaluation text, so committed data can be re-checked without the
 #: training sources installed.
 LEAK_CHECK_FILE = "leak_check.json"
@@ -213,33 +211,6 @@ def load_leak_check() -> dict[str, Any]:
     """The committed leak-check record (see ``LEAK_CHECK_FILE``)."""
     with resources.files("moee.data").joinpath("offline", LEAK_CHECK_FILE).open("r", encoding="utf-8") as fh:
         return json.load(fh)
-
-
-def committed_leaks(texts: list[str], check: dict[str, Any] | None = None) -> dict[str, list[int]]:
-    """For each training source, the indices of ``texts`` that share a recorded span with it or
-    whose attribution names its author (the committed form of ``moee.data.corpus.find_leaks``)."""
-    from moee.data.exclusions import attributed_source, span_key, span_words
-
-    check = check or load_leak_check()
-    span = int(check["span_words"])
-    keys = []
-    for text in texts:
-        words = span_words(text)
-        if len(words) >= span:
-            keys.append({span_key(words[j : j + span]) for j in range(len(words) - span + 1)})
-        else:
-            keys.append({span_key(words)} if words else set())
-    out: dict[str, list[int]] = {}
-    for source, recorded in check["spans"].items():
-        recorded = set(recorded)
-        hits = [
-            i
-            for i, (text, ks) in enumerate(zip(texts, keys))
-            if ks & recorded or attributed_source(text) == source
-        ]
-        if hits:
-            out[source] = hits
-    return out
 
 
 def tasks_by_family(family: str) -> list[str]:

@@ -59,7 +59,7 @@ def train_tokenizer(
 
 def iter_texts(path: str | Path) -> Iterator[str]:
     """The ``text`` field of each record of a corpus JSONL file."""
-    from moee.data.corpus import iter_corpus
+    from moee_build.corpus import iter_corpus
 
     for rec in iter_corpus(path):
         yield rec["text"]

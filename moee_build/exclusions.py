@@ -8,7 +8,7 @@ split does not depend on file order or on which tasks sample them).
 
 Reserving units is not enough when the same words recur in another source (a fortune quoting
 Shakespeare, a Luke verse repeating Matthew), so both builders also compare texts by long shared
-spans of normalised words (``LEAK_SPAN_WORDS``, ``span_words``; ``moee.data.corpus.SpanIndex``).
+spans of normalised words (``LEAK_SPAN_WORDS``, ``span_words``; ``moee_build.corpus.SpanIndex``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def text_key(text: str) -> str:
 
 #: An evaluation text *leaks* into a training source when it shares a run of this many
 #: consecutive words (``span_words``) with one of the source's documents; a shorter text leaks
-#: when all of its words occur there in a row (see ``moee.data.corpus.SpanIndex``).
+#: when all of its words occur there in a row (see ``moee_build.corpus.SpanIndex``).
 LEAK_SPAN_WORDS = 8
 
 #: Texts of fewer words are only checked as whole units: a phrase of two or three words (a
