@@ -1,4 +1,4 @@
-"""Balancing ablation (the seeds' Table 6) on our small MoE LM.
+"""Balancing ablation (Shazeer et al. 2017, Table 6) on our small MoE LM.
 
     nice -n 19 python analysis/run_ablation.py [--config analysis/ablation/base_config.json] [--out analysis/ablation]
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**run_metadata(["python", *sys.argv]), "base_config": base}
     write_json_atomic(out / "ablation.json", {"meta": meta, "rows": rows})
     md = (
-        "# Balancing ablation (seeds' Table 6) on the small MoE LM\n\n"
+        "# Balancing ablation (Shazeer et al. 2017, Table 6) on the small MoE LM\n\n"
         f"Command: `{meta['command']}`; base config `{args.config}` "
         f"({base['model']['num_experts']} experts, top-{base['model']['num_experts_per_tok']}, "
         f"{base['model']['num_hidden_layers']} MoE layers, {base['schedule']['max_steps']} steps of "

@@ -1,5 +1,5 @@
-"""Router Showcase simulator: how much balancing pull it takes to stop the collapse, and how fast
-it collapses for each n (the seeds' "third" and "fourth" variants).
+"""Router-collapse simulator: how much balancing pull it takes to stop the collapse, and how fast
+it collapses for each n (larger n collapses faster; small n needs less pull).
 
     python analysis/run_simulator_sweep.py [--out analysis/simulator]
 

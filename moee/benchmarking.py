@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from moee.io import iter_jsonl
+
 __all__ = [
     "RESULTS_DIR",
     "machine_info",
@@ -88,15 +90,12 @@ def machine_info() -> dict[str, Any]:
         info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         info["memory_gb"] = None
-    try:
-        import torch
+    import torch
 
-        info["torch_threads"] = torch.get_num_threads()
-        info["cuda"] = torch.cuda.is_available()
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
+    info["torch_threads"] = torch.get_num_threads()
+    info["cuda"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 
@@ -219,13 +218,11 @@ def length_mix_texts(n: int, seed: int = 0) -> list[str]:
     root = Path(__file__).resolve().parent / "data" / "offline"
     pool: list[str] = []
     for path in sorted(root.glob("*/*.jsonl")):
-        with path.open(encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line)
-                for key in ("text", "sentence1", "sentence2", "query", "document"):
-                    value = record.get(key)
-                    if isinstance(value, str) and value.strip():
-                        pool.append(value)
+        for _, record in iter_jsonl(path):
+            for key in ("text", "sentence1", "sentence2", "query", "document"):
+                value = record.get(key)
+                if isinstance(value, str) and value.strip():
+                    pool.append(value)
     if not pool:
         raise FileNotFoundError(f"no offline texts under {root}; run scripts/build_offline_data.py")
     pool = sorted(set(pool))

@@ -17,13 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moee", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"moee.commands.{name}")
-        except ModuleNotFoundError as exc:  # a command whose module is not written yet
-            if exc.name != f"moee.commands.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"moee.commands.{name}").register(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Capture overhead and capture memory of the routing recorder (issue 2 acceptance figures).
+"""Capture overhead and capture memory of the routing recorder (benchmarks 1-2 of BENCHMARKS.md).
 
 (a) Overhead: ``MoEEmbedder.encode(method="rw")`` (tokenization, length-sorted batching, hooks that
     pool inside the forward, combination) against a plain forward of the same batches through the
@@ -203,7 +203,7 @@ def _markdown(result: dict) -> str:
         f"| full causal-LM forward (backbone + LM head), for reference | {o['median_s']['full_lm']:.4f} |",
         "",
         f"**Median per-repetition ratio encode / plain forward: {o['median_ratio_encode_vs_plain']:.3f}** "
-        f"(ratio of medians {o['ratio_of_medians']:.3f}; goal <= 1.03, issue 2 accepts <= 1.05). "
+        f"(ratio of medians {o['ratio_of_medians']:.3f}; goal <= 1.03). "
         f"Hooks alone (same pre-tokenized batches): {o['median_ratio_hooked_vs_plain']:.3f}. "
         f"Against the full LM forward (what a user without moee would run): "
         f"{o['median_ratio_encode_vs_full_lm_forward']:.3f}.",

@@ -1,4 +1,4 @@
-"""Benchmark 4 (issue 6): forward+backward tokens/s of our MoE layer vs transformers and the seeds' loop.
+"""Benchmark 4 (BENCHMARKS.md): forward+backward tokens/s of our MoE layer vs transformers and the reference loop.
 
 Same configuration everywhere: E=64 experts, top-k=8, d=256, SwiGLU experts of hidden width 128,
 4,096 tokens, float32, router softmax over the k selected logits (Shazeer's
@@ -12,10 +12,10 @@ Variants, timed interleaved in one process:
   implementation (``grouped_mm`` is what ``from_pretrained`` picks by default, ``eager`` is the
   per-expert loop). ``batched_mm`` gathers one weight matrix per (token, expert) pair (8 GB here)
   and is meant for decoding, so it is left out unless asked for.
-* ``seeds_loop``: the seeds' reference (SEED_SPEC 9.1): for each expert
+* ``seeds_loop``: the textbook per-expert reference layer: for each expert
   ``mask = (topk_idx == i).any(-1); out[mask] += gate[mask, i:i+1] * f_i(x[mask])``.
 
-Goal: ours >= 1x the transformers block, >= 5x the seeds' loop.
+Goal: ours >= 1x the transformers block, >= 5x the reference loop.
 
     nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_moe_layer.py [--profile]
 """
@@ -32,7 +32,7 @@ from moee.benchmarking import paired_ratio, summarize, time_interleaved, write_r
 
 
 class SwiGLUExpert(nn.Module):
-    """One expert as its own module, as in the seeds (``experts`` is a list of networks ``f_i``)."""
+    """One expert as its own module, as in the textbook layer (``experts`` is a list of networks ``f_i``)."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
@@ -48,7 +48,7 @@ class SwiGLUExpert(nn.Module):
 
 
 class SeedsLoopMoE(nn.Module):
-    """The seeds' ``moe_layer(x, experts, gate, topk_idx)`` (SEED_SPEC 9.1) with a top-k softmax gate.
+    """The textbook per-expert ``moe_layer(x, experts, gate, topk_idx)`` loop with a top-k softmax gate.
 
     Weights are taken from the transformers block (router ``[E, d]``, ``gate_up [E, 2h, d]``,
     ``down [E, d, h]``) and split into one module per expert.
@@ -83,7 +83,7 @@ class MatmulFloor:
     Router ``[N, d] x [d, E]``, then per expert (perfectly balanced, ``N*k/E`` rows each) the SwiGLU
     in-projection ``[n_e, d] x [d, 2h]`` and out-projection ``[n_e, h] x [h, d]``. Every MoE
     implementation must do at least this arithmetic, so ``seeds_loop time / floor time`` bounds
-    the speedup any implementation can reach over the seeds' loop on this machine.
+    the speedup any implementation can reach over the reference loop on this machine.
     """
 
     def __init__(self, tokens: int, d: int, hidden: int, experts: int, k: int, seed: int = 0) -> None:

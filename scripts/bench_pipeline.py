@@ -1,4 +1,4 @@
-"""Benchmark 3 (issue 6): embedding pipeline throughput on a realistic length mix.
+"""Benchmark 3 (BENCHMARKS.md): embedding pipeline throughput on a realistic length mix.
 
 Three pipelines embed the same texts with the same model and batch size, timed interleaved:
 
@@ -42,7 +42,7 @@ from moee.embed.methods import combine
 
 
 def build_tiny(out_dir: Path, tokenizer, seed: int = 0) -> Path:
-    """Save issue 6's tiny OLMoE (hidden 256, 4 layers, 16 experts, top-2) with ``tokenizer``."""
+    """Save the benchmarks' tiny OLMoE (hidden 256, 4 layers, 16 experts, top-2) with ``tokenizer``."""
     from transformers import AutoModelForCausalLM
 
     from moee.capture.tiny import tiny_config
@@ -119,7 +119,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="tiny", help="tiny (issue 6's tiny OLMoE), default (bundled) or a path"
+        "--model", default="tiny", help="tiny (the benchmarks' tiny OLMoE), default (bundled) or a path"
     )
     parser.add_argument("--texts", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)

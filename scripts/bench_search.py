@@ -1,4 +1,4 @@
-"""Benchmark 6 (issue 6): faiss flat and IVF search through ``moee.index.VectorIndex`` vs numpy.
+"""Benchmark 6 (BENCHMARKS.md): faiss flat and IVF search through ``moee.index.VectorIndex`` vs numpy.
 
 Goal: flat top-10 search >= 5x numpy brute force; IVF recall@10 >= 0.95, on 100k x 1024 float32.
 

@@ -1,4 +1,4 @@
-"""Benchmark 5 (issue 6): training throughput and model FLOP utilisation of the default model.
+"""Benchmark 5 (BENCHMARKS.md): training throughput and model FLOP utilisation of the default model.
 
 Builds ``MoEEForCausalLM`` from the training config (``configs/default_model.json``: model,
 sequence length, batch size, AdamW settings) and times full training steps (forward with labels,

@@ -44,9 +44,11 @@ def _versions() -> dict:
 
 
 def read_log(path: Path) -> list[dict]:
+    from moee.io import iter_jsonl
+
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in iter_jsonl(path)]
 
 
 def plot_curve(log: list[dict], unigram_loss: float, out: Path) -> None:
@@ -152,7 +154,7 @@ def ablation_section(log_path: Path | None) -> list[str]:
         "## Why this router",
         "",
         "An earlier run (same architecture, data and optimiser, but Shazeer's noisy top-k gate with the",
-        "seeds' LM setting w_importance = w_load = 0.1, embedding multiplier 1, router lr x 1) was balanced",
+        "LM setting of Shazeer et al. 2017, w_importance = w_load = 0.1, embedding multiplier 1, router lr x 1) was balanced",
         "in training mode (max/mean load about 1.2-1.4 per batch), but only thanks to its noise: the",
         "learned noise std grew above its initial ln 2 while the clean logits stayed small and",
         "alike across tokens, so in eval mode (no noise) most tokens chose the same experts.",

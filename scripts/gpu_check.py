@@ -1,4 +1,4 @@
-"""One-file check for a lent GPU machine (issue 6): run it, keep the JSON it writes.
+"""One-file check for a lent GPU machine (BENCHMARKS.md): run it, keep the JSON it writes.
 
 Figures, each measured side by side in this one process (CUDA-synchronised timings):
 
@@ -11,10 +11,10 @@ Figures, each measured side by side in this one process (CUDA-synchronised timin
    is installed (else recorded as skipped), vs exact brute force with a torch matmul on the same
    GPU and vs faiss on the CPU; recall@10 against the exact ranking.
 4. ``moe_layer``: forward+backward tokens/s of our ``MoELayer`` vs transformers' OLMoE block and the
-   seeds' per-expert loop (benchmark 4's configuration) on the GPU, where per-expert kernel
+   reference per-expert loop (benchmark 4's configuration) on the GPU, where per-expert kernel
    launches and host synchronisations are what the loop costs.
 
-Runs in well under 5 minutes on one H200. ``--tiny`` swaps in issue 6's tiny OLMoE and small sizes
+Runs in well under 5 minutes on one H200. ``--tiny`` swaps in the benchmarks' tiny OLMoE and small sizes
 so the whole script can be smoke-tested on a CPU (it runs on whatever device is present).
 
     python scripts/gpu_check.py --out gpu_check.json           # on the GPU machine
@@ -53,7 +53,7 @@ def _sync() -> None:
 
 
 def build_model(tiny: bool, vocab_size: int, device: torch.device, dtype: torch.dtype):
-    """Random OLMoE: the 1B-7B shape (transformers' OlmoeConfig defaults) or issue 6's tiny one."""
+    """Random OLMoE: the 1B-7B shape (transformers' OlmoeConfig defaults) or the benchmarks' tiny one."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if tiny:

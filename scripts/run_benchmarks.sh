@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run issue 6's benchmarks side by side (nice'd, single-threaded) and regenerate BENCHMARKS.md.
+# Run the benchmarks of BENCHMARKS.md side by side (nice'd, single-threaded) and regenerate BENCHMARKS.md.
 #
 # Usage: scripts/run_benchmarks.sh [capture] [pipeline] [moe_layer] [training] [search] [gpu_smoke]
 #        (no argument: all of them). Results: bench/results/*.json and docs/bench_capture.json.

@@ -1,4 +1,4 @@
-"""Balancing ablation: configs, summaries, the table next to the seeds' numbers, and a tiny real run."""
+"""Balancing ablation: configs, summaries, the table next to Shazeer et al. (2017) Table 6, and a tiny real run."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Router Showcase simulator: the seeds' rules, determinism, collapse off / no collapse on."""
+"""Router-collapse simulator: its rules (moee/analysis/simulator.py), determinism, collapse off / no collapse on."""
 
 import json
 
@@ -31,7 +31,7 @@ def test_default_setting_collapses_off_and_stays_flat_on(seed):
     on = simulate(SimulatorConfig(seed=seed, blend=1.0))
     assert off.max_over_mean[-1] > 2.2
     assert on.max_over_mean[-1] < 2.2
-    assert on.max_over_mean[-1] < 1.5  # the seeds' balanced range is 1.07-1.47
+    assert on.max_over_mean[-1] < 1.5  # Shazeer et al. (2017) Table 6's balanced range is 1.07-1.47
 
 
 def test_every_step_routes_forty_tokens():

@@ -1,5 +1,5 @@
 """Analyses of MoE routing: RW-vs-HS clustering overlap, prompt stability, expert specialization
-reports, the Router Showcase collapse simulator and the load-balancing ablation.
+reports, the router-collapse simulator and the load-balancing ablation.
 
 Modules import their heavy dependencies lazily; this package only holds a small helper shared by
 the analysis sub-commands.

@@ -1,4 +1,4 @@
-"""Load-balancing ablation (the seeds' Table 6) on our own small MoE language model.
+"""Load-balancing ablation (Shazeer et al. 2017, Appendix A, Table 6) on our own small MoE language model.
 
 Each row trains the same small ``MoEEForCausalLM`` (Shazeer noisy top-k gates, same seed, same
 data order) with ``moee.moe.trainer.train`` and only the two balancing weights changed:
@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from moee.io import iter_jsonl
+
 __all__ = [
     "TABLE6_WEIGHTS",
     "SEED_TABLE6",
@@ -30,7 +32,7 @@ __all__ = [
     "plot_training_curves",
 ]
 
-#: The seeds' Table 6 rows, in the seeds' order: (w_importance, w_load).
+#: The rows of Shazeer et al. (2017) Table 6, in its order: (w_importance, w_load).
 TABLE6_WEIGHTS: tuple[tuple[float, float], ...] = (
     (0.0, 0.0),
     (0.2, 0.0),
@@ -40,7 +42,7 @@ TABLE6_WEIGHTS: tuple[tuple[float, float], ...] = (
     (1.0, 1.0),
 )
 
-#: The seeds' Table 6 (MoE-256, 1B-Word, 10 epochs): test ppl, CV(Importance), CV(Load), max/mean Load.
+#: Shazeer et al. (2017) Table 6 (MoE-256, 1B-Word, 10 epochs): test ppl, CV(Importance), CV(Load), max/mean Load.
 SEED_TABLE6: dict[tuple[float, float], dict[str, float]] = {
     (0.0, 0.0): {"ppl": 39.8, "cv_importance": 3.04, "cv_load": 3.01, "max_over_mean_load": 17.80},
     (0.2, 0.0): {"ppl": 35.6, "cv_importance": 0.06, "cv_load": 0.17, "max_over_mean_load": 1.47},
@@ -105,7 +107,7 @@ def training_curve(log_path: str | Path, *, every: int = 10, tail: int = 20) -> 
     """Per-batch routing statistics during training (with gate noise, as the losses see them),
     from the trainer's ``log.jsonl``: a curve sampled every ``every`` steps and the mean of the
     last ``tail`` steps."""
-    records = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    records = [record for _, record in iter_jsonl(log_path)]
     train = [r for r in records if r.get("kind") == "train"]
     if not train:
         raise ValueError(f"{log_path} holds no training steps")
@@ -178,10 +180,10 @@ def run_ablation(
 
 
 def ablation_markdown(rows: Sequence[dict]) -> str:
-    """Our rows next to the seeds' Table 6 (``ours / seeds`` in each cell)."""
+    """Our rows next to Shazeer et al. (2017) Table 6 (its four columns last)."""
     lines = [
         "| w_importance | w_load | held-out ppl | CV(Importance) | CV(Load) | max/mean Load (mean / worst layer) "
-        "| train CV(Load) | train max/mean | seeds: ppl | seeds: CV(Imp) | seeds: CV(Load) | seeds: max/mean |",
+        "| train CV(Load) | train max/mean | Table 6: ppl | Table 6: CV(Imp) | Table 6: CV(Load) | Table 6: max/mean |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
@@ -205,7 +207,7 @@ def ablation_markdown(rows: Sequence[dict]) -> str:
 
 
 def plot_ablation(rows: Sequence[dict], path: str | Path) -> Path:
-    """Bars per weight pair: ours (held-out ppl, CVs, max/mean) beside the seeds' numbers (PNG)."""
+    """Bars per weight pair: ours (held-out ppl, CVs, max/mean) beside Table 6's numbers (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,7 +223,7 @@ def plot_ablation(rows: Sequence[dict], path: str | Path) -> Path:
         ours = [r[key] for r in rows]
         seeds = [SEED_TABLE6.get((r["w_importance"], r["w_load"]), {}).get(key, np.nan) for r in rows]
         ax.bar(x - 0.2, ours, width=0.4, label="ours (small MoE LM)", color="#1f9e89")
-        ax.bar(x + 0.2, seeds, width=0.4, label="seeds' Table 6 (MoE-256)", color="#999999")
+        ax.bar(x + 0.2, seeds, width=0.4, label="Shazeer et al. 2017, Table 6 (MoE-256)", color="#999999")
         ax.set_xticks(x, labels, rotation=45, fontsize=7)
         ax.set_title(title, fontsize=9)
         if key != "ppl":

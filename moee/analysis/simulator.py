@@ -1,4 +1,4 @@
-"""The "Router Showcase" collapse simulator (SEED_SPEC section 6), rules and constants as stated.
+"""A router-collapse simulator: the rich-get-richer dynamics of Shazeer et al. (2017, Section 4) in miniature.
 
 Each step routes a fresh batch of ``TOKENS_PER_STEP = 40`` synthetic tokens through ``n`` experts
 that carry a scalar *strength* (all start at 1.0, the neutral value the balancing rule pulls to):
@@ -12,17 +12,17 @@ that carry a scalar *strength* (all start at 1.0, the neutral value the balancin
   argmax it is, and ``mean`` is that step's mean load, ``40 / n``;
 * balancing off: ``strength <- strength * (1 + 0.18 * (load / mean - 1))``, clamped to ``floor``;
 * balancing on: the whole update is replaced by ``strength <- strength * 0.5 + 0.5``;
-* blend ``w`` in [0, 1] (the seeds' suggested extension): ``strength <- (1 - w) * off_rule +
+* blend ``w`` in [0, 1] (interpolating the two rules, as the loss weights do): ``strength <- (1 - w) * off_rule +
   w * on_rule``, then clamped; ``w = 0`` is exactly "off", ``w = 1`` exactly "on";
 * colours of the cumulative-load histogram: red above ``2.2 x`` mean, dim below ``0.4 x`` mean,
   teal otherwise; a dashed line marks the mean cumulative load.
 
-Choices the seeds leave open, fixed here (and in ``SimulatorConfig`` defaults): n = 8 (inside the
-seeds' 4..16 slider; it collapses within ~100 steps yet leaves room to see it happen), top-1
+Free choices, fixed here (and in ``SimulatorConfig`` defaults): n = 8 (inside the
+supported 4..16 range; it collapses within ~100 steps yet leaves room to see it happen), top-1
 argmax selection, jitter std 0.15, Gaussian ring falloff of width 1 expert slot, floor 0.05
 (``log(0.05) * 1.1 = -3.3``, far below any affinity, so a floored expert is starved without the
-strength ever hitting zero), 200 steps, seed 0. The boost term is applied in every mode: the seeds
-only mention it for "off", but with balancing on strength stays exactly 1 (``1 * 0.5 + 0.5``), so
+strength ever hitting zero), 200 steps, seed 0. The boost term is applied in every mode: it only
+matters for "off", but with balancing on strength stays exactly 1 (``1 * 0.5 + 0.5``), so
 ``log(1) = 0`` and the term vanishes by itself, and applying it always keeps the blend a true
 interpolation. A ceiling of 1e300 only keeps the strength a finite float in very long runs (a
 strength that large already out-scores any affinity by hundreds, so the dynamics are unchanged).
@@ -86,7 +86,7 @@ class SimulatorConfig:
         if isinstance(self.n, bool) or not isinstance(self.n, int):
             raise TypeError(f"n must be an int, got {type(self.n).__name__}")
         if not N_RANGE[0] <= self.n <= N_RANGE[1]:
-            raise ValueError(f"n must be in [{N_RANGE[0]}, {N_RANGE[1]}] (the seeds' slider), got {self.n}")
+            raise ValueError(f"n must be in [{N_RANGE[0]}, {N_RANGE[1]}] (the supported range), got {self.n}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
         if not 0.0 <= float(self.blend) <= 1.0:
@@ -167,7 +167,7 @@ def simulate(config: SimulatorConfig | None = None, **overrides) -> SimulationRe
 
 
 def bar_colours(cumulative: np.ndarray) -> list[str]:
-    """Seed colour code for one histogram: red > 2.2x mean, dim < 0.4x mean, teal otherwise."""
+    """Colour code for one histogram: red > 2.2x mean, dim < 0.4x mean, teal otherwise."""
     mean = float(np.mean(cumulative))
     out = []
     for value in cumulative:
@@ -240,7 +240,7 @@ def plot_final(results: list[SimulationResult], path: str | Path) -> Path:
 
 
 def plot_max_over_mean(results: list[SimulationResult], path: str | Path) -> Path:
-    """max/mean cumulative load against step, with the seeds' 2.2x red line (PNG)."""
+    """max/mean cumulative load against step, with the 2.2x red line (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,7 +316,7 @@ def blend_sweep(
     **config_kwargs,
 ) -> dict:
     """Final max/mean cumulative load for every (n, blend, seed): how much pull toward 1 it takes
-    before collapse stops (the question the seeds say Table 6 answers with real numbers)."""
+    before collapse stops (the question Shazeer et al. 2017, Table 6, answers for a real model)."""
     if not blends or not ns or not seeds:
         raise ValueError("blends, ns and seeds must each hold at least one value")
     grid = np.array(

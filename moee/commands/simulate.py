@@ -1,4 +1,4 @@
-"""`moee simulate`: the Router Showcase collapse simulator (SEED_SPEC section 6).
+"""`moee simulate`: the router-collapse simulator (``moee/analysis/simulator.py``).
 
 Writes, for balancing off and/or on (and an optional blend weight), an animated GIF of the
 cumulative-load histogram, the final histograms side by side, the max/mean curve and
