@@ -589,6 +589,18 @@ def test_layer_agreement_baseline_with_unequal_margins():
     acc.update(np.array([1, 2, 3, 4]), route, text_index=0)
     pair = acc.result(decode, min_token_count=1)["layer_agreement"]["pairs"][0]
     assert pair["matched_baseline"] == pytest.approx(5 / 8, abs=0.02)
+    # E=3, layer 0 e0 e0 e1 e2, layer 1 e0 e0 e0 e1: layer 1's e1 meets a layer-0 e0 (p 1/2, best
+    # matching 2 of 4) or the e1 / e2 (p 1/2, 3 of 4): 5/8 again, while pairing with the margins
+    # of layer 0 on both sides would give 3/4
+    acc = SpecializationAccumulator(2, 3, 1, permutations=3000, seed=4)
+    e = np.eye(3) * 0.8 + 0.1
+    acc.update(
+        np.array([1, 2, 3, 4]),
+        np.stack([[e[0], e[0]], [e[0], e[0]], [e[1], e[0]], [e[2], e[1]]]),
+        text_index=0,
+    )
+    pair = acc.result(decode, min_token_count=1)["layer_agreement"]["pairs"][0]
+    assert pair["matched_baseline"] == pytest.approx(5 / 8, abs=0.02)
 
 
 def test_repetition_baseline_for_one_and_two_tokens():
