@@ -1,6 +1,7 @@
 """`moee train --config FILE [--resume | --overwrite]`: train the from-scratch MoE language model.
 
-The config format is documented in `moee.moe.trainer` (and moee/moe/README_TRAINING.md).
+The config format is documented in `moee.moe.trainer` (and moee/moe/README_TRAINING.md);
+`model.router_type` picks any gate of `moee.moe.gate_registry.GATES`.
 Exit status: 0 done, 2 bad input (a config, checkpoint or log problem, a non-empty run
 directory without --overwrite, a config change --resume refuses), 3 a NaN/inf loss, gradient
 or weight (nothing non-finite was applied or saved; the message names the last good checkpoint).
@@ -40,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moee.moe.gate_registry import CausalLeakWarning
     from moee.moe.trainer import NonFiniteTrainingError, RunDirectoryNotEmptyError, TrainerWarning, train
 
     def show(message: Warning | str, category: type[Warning], *_args, **_kwargs) -> None:
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", TrainerWarning)
+            warnings.simplefilter("always", CausalLeakWarning)  # e.g. router_type "expert_choice"
             warnings.showwarning = show
             result = train(
                 args.config,

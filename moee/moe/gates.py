@@ -18,6 +18,7 @@ Every gate maps token vectors ``x [N, d]`` to a :class:`GateOutput`:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "ExpertChoiceGate",
     "LossFreeBalancedGate",
     "update_loss_free_biases",
+    "switch_capacity",
 ]
 
 
@@ -59,6 +61,31 @@ class GateOutput:
     @property
     def n_experts(self) -> int:
         return self.probs.shape[-1]
+
+
+def switch_capacity(tokens: int, experts: int, capacity_factor: float, minimum: int = 1) -> int:
+    """Expert capacity ``max(minimum, min(tokens, int(tokens * capacity_factor / experts)))``.
+
+    Shared by Switch routing (``moee.moe.switch``) and expert choice; it lives here so that
+    ``switch`` depends on ``gates`` and never the other way round.
+
+    The pinned Mesh-TensorFlow convention: floor, then clamp to the token count, then the minimum
+    (minimum 1 here by default instead of upstream's 4, so tiny batches keep a slot).
+    """
+    for name, value in (("tokens", tokens), ("experts", experts), ("minimum", minimum)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if experts < 1:
+        raise ValueError(f"experts must be >= 1, got {experts}")
+    if minimum < 0:
+        raise ValueError(f"minimum must be >= 0, got {minimum}")
+    if not (
+        isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0
+    ):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
+    return max(minimum, min(tokens, int(tokens * capacity_factor / experts)))
 
 
 def _check_input(x: Tensor, d_model: int) -> None:
@@ -487,8 +514,6 @@ class ExpertChoiceGate(nn.Module):
         self.w_gate = _normal_linear(d_model, n_experts, init_std)
 
     def capacity(self, tokens: int) -> int:
-        from moee.moe.switch import switch_capacity
-
         return switch_capacity(tokens, self.n_experts, self.capacity_factor, self.minimum_capacity)
 
     def forward(self, x: Tensor) -> GateOutput:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moee.moe.gates import NoisyTopKGate
+
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 # Set to False to force the per-expert loop (tests compare both paths).
@@ -297,8 +299,6 @@ class MoELayer(nn.Module):
         if n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {n_shared_experts}")
         if gate is None:
-            from moee.moe.gates import NoisyTopKGate
-
             gate = NoisyTopKGate(d_model, n_experts, k, noisy=noisy, w_importance=w_importance, w_load=w_load)
         self.d_model = d_model
         self.n_experts = n_experts

@@ -32,27 +32,37 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from moee.moe.gate_registry import GATES, build_gate, gate_spec
 from moee.moe.layer import Experts, MoEERouter, MoELayer
+from moee.moe.switch import DEFAULT_ALPHA
 
 __all__ = ["MoEEConfig", "MoEEModel", "MoEEForCausalLM", "MoEERouter", "MoEEPreTrainedModel"]
 
 
-ROUTER_TYPES = ("noisy_top_k", "loss_free")
+ROUTER_TYPES = tuple(GATES)
 
 
 class MoEEConfig(PreTrainedConfig):
     """Configuration of `MoEEForCausalLM`.
 
-    Router fields follow the seeds: `router_type="noisy_top_k"` is Shazeer's noisy top-k gate
-    (`router_noisy`) with importance and load losses weighted by `router_w_importance` /
-    `router_w_load` (the paper's LM setting is 0.1 / 0.1); `"loss_free"` is the auxiliary-loss-
-    free bias balancing (bias step `router_bias_gamma`, no loss) over `router_score_func`
-    scores ("sigmoid" as in DeepSeek-V3, or "softmax"). `moe_intermediate_size` is the hidden width of one (fine-grained) expert;
-    the first `first_k_dense_replace` layers use a dense FFN of width `intermediate_size`.
-    `embedding_multiplier` scales the token embeddings entering the residual stream (Gemma
-    uses sqrt(hidden_size)); with the small tied-embedding init it keeps token identity, not
-    the attention average, dominant in the router inputs at the start of training, which
-    stops every token from choosing the same experts.
+    `router_type` selects the gate of every MoE layer from the registry
+    `moee.moe.gate_registry.GATES` (one entry per gate; each lists the `router_*` fields it
+    reads, and moee/moe/README_TRAINING.md tabulates them): `"noisy_top_k"` (default) is
+    Shazeer's noisy top-k gate (`router_noisy`) with importance and load losses weighted by
+    `router_w_importance` / `router_w_load` (the paper's LM setting is 0.1 / 0.1); `"loss_free"`
+    is the auxiliary-loss-free bias balancing (bias step `router_bias_gamma`, no loss) over
+    `router_score_func` scores ("sigmoid" as in DeepSeek-V3, or "softmax"); `"hierarchical"`
+    (`router_n_groups`, `router_k_primary`), `"strictly_balanced"` (`router_w_threshold`; eval
+    mode selects with the learned thresholds), `"switch"` (top-1 with capacity,
+    `router_capacity_factor`, `router_min_capacity`, `router_switch_alpha`), `"expert_choice"`
+    (`router_capacity_factor`, `router_min_capacity`; it looks at later tokens when it picks the
+    tokens of each expert, which a causal LM must not, so building such a model gives a
+    `CausalLeakWarning`) and `"softmax"` (dense). `moe_intermediate_size` is the hidden width of
+    one (fine-grained) expert; the first `first_k_dense_replace` layers use a dense FFN of width
+    `intermediate_size`. `embedding_multiplier` scales the token embeddings entering the residual
+    stream (Gemma uses sqrt(hidden_size)); with the small tied-embedding init it keeps token
+    identity, not the attention average, dominant in the router inputs at the start of training,
+    which stops every token from choosing the same experts.
     """
 
     model_type = "moee_lm"
@@ -81,6 +91,12 @@ class MoEEConfig(PreTrainedConfig):
     router_score_func: str = "sigmoid"
     router_w_importance: float = 0.1
     router_w_load: float = 0.1
+    router_n_groups: int | None = None
+    router_k_primary: int = 2
+    router_w_threshold: float = 1.0
+    router_capacity_factor: float | None = None
+    router_min_capacity: int = 1
+    router_switch_alpha: float = DEFAULT_ALPHA
     output_router_logits: bool = False
     use_cache: bool = True
     tie_word_embeddings: bool = True
@@ -99,8 +115,7 @@ class MoEEConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
             )
-        if self.router_type not in ROUTER_TYPES:
-            raise ValueError(f"router_type must be one of {ROUTER_TYPES}, got {self.router_type!r}")
+        gate_spec(self.router_type).check(self)
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense_replace must be in [0, {self.num_hidden_layers}]")
         super().__post_init__(**kwargs)
@@ -222,17 +237,6 @@ class MoEEDecoderLayer(nn.Module):
         if layer_idx < config.first_k_dense_replace:
             self.mlp: nn.Module = MoEEDenseMLP(config)
         else:
-            gate = None
-            if config.router_type == "loss_free":
-                from moee.moe.gates import LossFreeBalancedGate
-
-                gate = LossFreeBalancedGate(
-                    config.hidden_size,
-                    config.num_experts,
-                    config.num_experts_per_tok,
-                    gamma=config.router_bias_gamma,
-                    score_func=config.router_score_func,
-                )
             self.mlp = MoELayer(
                 config.hidden_size,
                 config.moe_intermediate_size,
@@ -241,10 +245,7 @@ class MoEEDecoderLayer(nn.Module):
                 n_shared_experts=config.num_shared_experts,
                 d_shared=config.shared_expert_intermediate_size,
                 activation=config.hidden_act,
-                noisy=config.router_noisy,
-                w_importance=config.router_w_importance,
-                w_load=config.router_w_load,
-                gate=gate,
+                gate=build_gate(config),
             )
 
     def forward(
@@ -275,13 +276,18 @@ class MoEEPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if getattr(module, "_moee_router_part", False):
             # transformers applies this to leaves first, so router parts are matched by a tag.
-            for p in module.parameters(recurse=False):
-                if self.config.router_type == "noisy_top_k" and self.config.router_noisy:
-                    # zero init with noise (Shazeer et al. 2017, Appendix A): uniform start, noise
-                    # std ln 2; a noise-free router needs the random init to break the ties
+            spec = gate_spec(self.config.router_type)
+            for name, p in module.named_parameters(recurse=False):
+                # each gate's entry says how (moee.moe.gate_registry.GateSpec.parameter_init): zero
+                # with exploration noise (Shazeer et al. 2017, Appendix A), random where nothing else
+                # breaks the ties of a zero router, constants such as the strict gate's thresholds
+                kind, value = spec.parameter_init(name, self.config)
+                if kind == "zeros":
                     init.zeros_(p)
+                elif kind == "constant":
+                    init.constant_(p, value)
                 else:
-                    init.normal_(p, mean=0.0, std=std)
+                    init.normal_(p, mean=0.0, std=value)
         elif isinstance(module, Experts):
             init.normal_(module.w_in, mean=0.0, std=std)
             init.normal_(module.w_out, mean=0.0, std=std)
@@ -319,6 +325,8 @@ def _attention_mask_4d(
 class MoEEModel(MoEEPreTrainedModel):
     def __init__(self, config: MoEEConfig):
         super().__init__(config)
+        if config.moe_layer_indices:
+            gate_spec(config.router_type).warn_if_leaky(stacklevel=2)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([MoEEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = MoEERMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -24,14 +24,13 @@ general sparse layer (``moee.moe.layer``) does not use them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moee.moe.gates import GateOutput
+from moee.moe.gates import GateOutput, switch_capacity
 from moee.moe.losses import switch_aux_loss
 
 __all__ = [
@@ -44,28 +43,6 @@ __all__ = [
 ]
 
 DEFAULT_ALPHA = 0.01
-
-
-def switch_capacity(tokens: int, experts: int, capacity_factor: float, minimum: int = 1) -> int:
-    """Expert capacity ``max(minimum, min(tokens, int(tokens * capacity_factor / experts)))``.
-
-    The pinned Mesh-TensorFlow convention: floor, then clamp to the token count, then the minimum
-    (minimum 1 here by default instead of upstream's 4, so tiny batches keep a slot).
-    """
-    for name, value in (("tokens", tokens), ("experts", experts), ("minimum", minimum)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
-    if experts < 1:
-        raise ValueError(f"experts must be >= 1, got {experts}")
-    if minimum < 0:
-        raise ValueError(f"minimum must be >= 0, got {minimum}")
-    if not (
-        isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0
-    ):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
-    return max(minimum, min(tokens, int(tokens * capacity_factor / experts)))
 
 
 @dataclass

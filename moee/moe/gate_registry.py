@@ -1,0 +1,382 @@
+"""The gate registry: every router of ``moee.moe.gates`` / ``moee.moe.switch`` the LM can select.
+
+``MoEEConfig.router_type`` (``moee.moe.lm``) names one entry of :data:`GATES`. An entry
+(:class:`GateSpec`) checks the config fields it reads, so a bad value is an error naming the
+field; builds the gate from them (plus ``hidden_size``, ``num_experts``, ``num_experts_per_tok``
+and ``initializer_range``); says how the LM initialises each router parameter; and, where a
+token's experts depend on later tokens of its sequence even in eval mode, carries the warning the
+LM gives when the gate is selected for causal language modelling. Entries read the config by
+attribute only, so this module needs torch, not transformers.
+
+Adding a gate is one :func:`register` call; ``lm.py``, the trainer and ``moee train`` pick it up
+(``docs/ARCHITECTURE.md`` has an example, ``moee/moe/README_TRAINING.md`` lists the keys).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from moee.moe.gates import (
+    BatchwiseBalancedGate,
+    ExpertChoiceGate,
+    HierarchicalGate,
+    LossFreeBalancedGate,
+    NoisyTopKGate,
+    SoftmaxGate,
+)
+from moee.moe.switch import SwitchRouter
+
+__all__ = ["GateSpec", "GATES", "CausalLeakWarning", "register", "gate_spec", "build_gate"]
+
+DEFAULT_SWITCH_CAPACITY_FACTOR = 1.25
+
+
+class CausalLeakWarning(UserWarning):
+    """The selected gate lets a token's output depend on later tokens of its sequence."""
+
+
+def _no_check(config: Any) -> None:
+    return None
+
+
+def _never(config: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """One selectable gate.
+
+    ``config_keys`` maps each ``MoEEConfig`` field the gate reads (beyond the shared
+    ``hidden_size`` / ``num_experts`` / ``num_experts_per_tok`` / ``initializer_range``) to what
+    it sets. ``check(config)`` raises ``ValueError`` naming the bad field; ``build(config)``
+    returns the gate module. Router parameters are initialised to zero when ``zero_init(config)``
+    (Shazeer et al. 2017, Appendix A: with exploration noise, or a dense gate, a uniform start is
+    right), to the constant ``constant_init[name](config)`` for the named ones, and else from
+    ``N(0, initializer_range^2)``. ``future_tokens`` is the leak warning, ``None`` when in eval mode
+    every token's selection depends on that token alone.
+    """
+
+    name: str
+    summary: str
+    config_keys: dict[str, str]
+    build: Callable[[Any], nn.Module]
+    check: Callable[[Any], None] = _no_check
+    zero_init: Callable[[Any], bool] = _never
+    constant_init: dict[str, Callable[[Any], float]] = field(default_factory=dict)
+    future_tokens: str | None = None
+
+    def parameter_init(self, name: str, config: Any) -> tuple[str, float]:
+        """How the LM initialises router parameter ``name``: ``("zeros" | "constant" | "normal", value)``."""
+        if name in self.constant_init:
+            return "constant", float(self.constant_init[name](config))
+        if self.zero_init(config):
+            return "zeros", 0.0
+        return "normal", float(config.initializer_range)
+
+    def warn_if_leaky(self, stacklevel: int = 2) -> None:
+        """Give the :class:`CausalLeakWarning` of a gate that looks at later tokens (no-op otherwise)."""
+        if self.future_tokens is not None:
+            warnings.warn(
+                f"router_type {self.name!r} in a causal LM: {self.future_tokens}",
+                CausalLeakWarning,
+                stacklevel=stacklevel + 1,
+            )
+
+
+GATES: dict[str, GateSpec] = {}
+
+
+def register(spec: GateSpec) -> GateSpec:
+    """Add ``spec`` to :data:`GATES` (a second entry under the same name is an error)."""
+    if spec.name in GATES:
+        raise ValueError(f"a gate named {spec.name!r} is already registered")
+    GATES[spec.name] = spec
+    return spec
+
+
+def gate_spec(router_type: str) -> GateSpec:
+    """The entry for ``router_type``; an unknown name is a ``ValueError`` listing the known ones."""
+    spec = GATES.get(router_type) if isinstance(router_type, str) else None
+    if spec is None:
+        raise ValueError(f"router_type must be one of {tuple(GATES)}, got {router_type!r}")
+    return spec
+
+
+def build_gate(config: Any) -> nn.Module:
+    """Check the config's fields for its ``router_type`` and build that gate."""
+    spec = gate_spec(config.router_type)
+    spec.check(config)
+    return spec.build(config)
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_weights(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+            f"{name} must be a number >= 0, got {value!r}",
+        )
+
+
+def _capacity_factor(config: Any, default: float) -> float:
+    value = config.router_capacity_factor
+    return float(default if value is None else value)
+
+
+def _check_capacity(config: Any) -> None:
+    value = config.router_capacity_factor
+    _require(
+        value is None
+        or (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        ),
+        f"router_capacity_factor must be null or a finite number > 0, got {value!r}",
+    )
+    minimum = config.router_min_capacity
+    _require(_is_int(minimum) and minimum >= 0, f"router_min_capacity must be an int >= 0, got {minimum!r}")
+
+
+def _check_noisy_top_k(config: Any) -> None:
+    _check_weights(config, "router_w_importance", "router_w_load")
+
+
+def _check_loss_free(config: Any) -> None:
+    _require(
+        config.router_score_func in ("sigmoid", "softmax"),
+        f"router_score_func must be 'sigmoid' or 'softmax', got {config.router_score_func!r}",
+    )
+    _check_weights(config, "router_bias_gamma")
+
+
+def _hierarchy(config: Any) -> tuple[int, int, int, int]:
+    """``(n_groups, experts_per_group, k_primary, k_secondary)`` of a checked hierarchical config."""
+    a, kp = config.router_n_groups, config.router_k_primary
+    return a, config.num_experts // a, kp, config.num_experts_per_tok // kp
+
+
+def _check_hierarchical(config: Any) -> None:
+    a, e, k, kp = (
+        config.router_n_groups,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.router_k_primary,
+    )
+    _require(
+        _is_int(a) and a >= 1 and e % a == 0,
+        f"router_type 'hierarchical' needs router_n_groups, a positive divisor of num_experts={e}, got {a!r}",
+    )
+    _require(
+        _is_int(kp) and 1 <= kp <= a,
+        f"router_k_primary must be an int in [1, router_n_groups={a}], got {kp!r}",
+    )
+    _require(
+        k % kp == 0 and k // kp <= e // a,
+        f"num_experts_per_tok={k} must be router_k_primary={kp} times a secondary k in "
+        f"[1, {e // a}] (the experts per group)",
+    )
+    _check_noisy_top_k(config)
+
+
+def _check_strictly_balanced(config: Any) -> None:
+    _check_weights(config, "router_w_threshold")
+
+
+def _check_switch(config: Any) -> None:
+    _require(
+        config.num_experts_per_tok == 1,
+        f"router_type 'switch' routes each token to one expert: num_experts_per_tok must be 1, "
+        f"got {config.num_experts_per_tok}",
+    )
+    _check_capacity(config)
+    _check_weights(config, "router_switch_alpha")
+
+
+def _check_softmax(config: Any) -> None:
+    _require(
+        config.num_experts_per_tok == config.num_experts,
+        f"router_type 'softmax' is the dense gate (every expert runs on every token): "
+        f"num_experts_per_tok must equal num_experts={config.num_experts}, got {config.num_experts_per_tok}",
+    )
+    _check_weights(config, "router_w_importance")
+
+
+# ----------------------------------------------------------------------------- the entries
+
+_NOISE_KEYS = {
+    "router_noisy": "exploration noise StandardNormal * Softplus(x W_noise) in training mode",
+    "router_w_importance": "weight of CV^2(Importance) (Shazeer et al. 2017, Sec. 4)",
+    "router_w_load": "weight of CV^2(Load), the smooth load estimator (Shazeer et al. 2017, Appendix A)",
+}
+
+register(
+    GateSpec(
+        name="noisy_top_k",
+        summary="Shazeer et al. 2017 noisy top-k gate, Softmax(KeepTopK(x W_g + noise, k)) "
+        "(router_noisy=false: the plain softmax top-k gate)",
+        config_keys=dict(_NOISE_KEYS),
+        check=_check_noisy_top_k,
+        build=lambda c: NoisyTopKGate(
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            noisy=c.router_noisy,
+            w_importance=c.router_w_importance,
+            w_load=c.router_w_load,
+            init_std=c.initializer_range,
+        ),
+        zero_init=lambda c: bool(c.router_noisy),
+    )
+)
+
+register(
+    GateSpec(
+        name="loss_free",
+        summary="auxiliary-loss-free balancing (Wang et al. 2024): top-k of scores + a per-expert "
+        "selection-only bias, moved by gamma * sign(mean load - load) after every training forward",
+        config_keys={
+            "router_bias_gamma": "bias step gamma",
+            "router_score_func": '"sigmoid" (DeepSeek-V3) or "softmax" scores',
+        },
+        check=_check_loss_free,
+        build=lambda c: LossFreeBalancedGate(
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            gamma=c.router_bias_gamma,
+            score_func=c.router_score_func,
+            init_std=c.initializer_range,
+        ),
+    )
+)
+
+register(
+    GateSpec(
+        name="hierarchical",
+        summary="two-level hierarchical gate (Shazeer et al. 2017, Appendix B): a noisy top-k_primary "
+        "gate over groups times a noisy top-k_secondary gate inside each group; "
+        "k_secondary = num_experts_per_tok / router_k_primary",
+        config_keys={
+            "router_n_groups": "number of groups a (required; divides num_experts)",
+            "router_k_primary": "groups selected per token",
+            **_NOISE_KEYS,
+        },
+        check=_check_hierarchical,
+        build=lambda c: HierarchicalGate(
+            c.hidden_size,
+            *_hierarchy(c),
+            noisy=c.router_noisy,
+            w_importance=c.router_w_importance,
+            w_load=c.router_w_load,
+            init_std=c.initializer_range,
+        ),
+        zero_init=lambda c: bool(c.router_noisy),
+    )
+)
+
+register(
+    GateSpec(
+        name="strictly_balanced",
+        summary="strictly balanced gating (Shazeer et al. 2017, Appendix F): in training mode each "
+        "expert takes its m = k|X|/n highest-scoring tokens of the batch; in eval mode a token takes "
+        "expert i when its score exceeds the learned threshold T_i, so inference needs no batch. "
+        "The training-mode batch mask ranks all tokens of the batch, later ones included; eval "
+        "(held-out evaluation, generation) uses the per-token thresholds only",
+        config_keys={
+            "router_w_threshold": "weight of the threshold loss L_batchwise that trains T (T starts at 1/n)",
+        },
+        check=_check_strictly_balanced,
+        build=lambda c: BatchwiseBalancedGate(
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+            w_threshold=c.router_w_threshold,
+            init_std=c.initializer_range,
+        ),
+        constant_init={"thresholds": lambda c: 1.0 / c.num_experts},
+    )
+)
+
+register(
+    GateSpec(
+        name="switch",
+        summary="Switch Transformer top-1 routing with expert capacity (Fedus et al. 2021); "
+        "num_experts_per_tok must be 1; tokens over capacity keep only their residual, and earlier "
+        "tokens of the flattened batch win the slots",
+        config_keys={
+            "router_capacity_factor": f"capacity factor (null: {DEFAULT_SWITCH_CAPACITY_FACTOR})",
+            "router_min_capacity": "minimum slots per expert",
+            "router_switch_alpha": "weight alpha of the aux loss alpha * E * sum_i f_i P_i",
+        },
+        check=_check_switch,
+        build=lambda c: SwitchRouter(
+            c.hidden_size,
+            c.num_experts,
+            capacity_factor=_capacity_factor(c, DEFAULT_SWITCH_CAPACITY_FACTOR),
+            minimum_capacity=c.router_min_capacity,
+            alpha=c.router_switch_alpha,
+            init_std=c.initializer_range,
+        ),
+    )
+)
+
+register(
+    GateSpec(
+        name="expert_choice",
+        summary="expert-choice routing (Zhou et al. 2022): every expert takes its top-C tokens of the "
+        "batch, C = capacity_factor * tokens / num_experts. NOT CAUSAL (future-token leak): which experts a token gets "
+        "depends on the scores of every other token in the batch, later tokens of its own sequence "
+        "included, in training and in eval mode (a CausalLeakWarning says so when the LM is built)",
+        config_keys={
+            "router_capacity_factor": "average experts per token (null: num_experts_per_tok)",
+            "router_min_capacity": "minimum tokens per expert",
+        },
+        check=_check_capacity,
+        build=lambda c: ExpertChoiceGate(
+            c.hidden_size,
+            c.num_experts,
+            capacity_factor=_capacity_factor(c, c.num_experts_per_tok),
+            minimum_capacity=c.router_min_capacity,
+            init_std=c.initializer_range,
+        ),
+        future_tokens=(
+            "expert choice picks the top tokens per expert over the whole batch, so a token's experts "
+            "depend on later tokens of its sequence (future-token leak) in training and in eval mode; "
+            "its perplexity is not that of a causal LM, and generation (one token at a time) routes "
+            "differently from a full forward"
+        ),
+    )
+)
+
+register(
+    GateSpec(
+        name="softmax",
+        summary="dense softmax gate G_sigma(x) = Softmax(x W_g) (Shazeer et al. 2017, Sec. 2.1): every "
+        "expert runs on every token, so num_experts_per_tok must equal num_experts",
+        config_keys={"router_w_importance": "weight of CV^2(Importance)"},
+        check=_check_softmax,
+        build=lambda c: SoftmaxGate(c.hidden_size, c.num_experts, w_importance=c.router_w_importance),
+        zero_init=lambda c: True,
+    )
+)
