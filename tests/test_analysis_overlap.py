@@ -457,7 +457,8 @@ def test_plot_overlap_sweep_draws_every_curve(tmp_path, monkeypatch):
     assert (paper.get_color(), paper.get_linewidth()) == ("black", 0.8)
     # layout: one row of panels, 4 inches each, 100 dpi; small fonts
     assert tuple(fig.get_size_inches()) == pytest.approx((4 * len(METRICS), 3.4)) and fig.dpi == 100
-    assert [ax.get_position().x0 for ax in axes] == sorted(ax.get_position().x0 for ax in axes)
+    x0 = [ax.get_position().x0 for ax in axes]
+    assert x0 == sorted(x0) and len(set(x0)) == len(METRICS)  # side by side, left to right
     assert axes[0].title.get_fontsize() == 9
     assert axes[0].get_legend().get_texts()[0].get_fontsize() == 6
     plt.close(fig)
