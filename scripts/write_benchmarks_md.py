@@ -460,7 +460,7 @@ def render(results_dir: Path, capture_json: Path) -> str:
     out = [
         "# Benchmarks",
         "",
-        "Issue 6's six figures, each a ratio of variants **measured side by side in one process**: every "
+        "Six figures, each a ratio of variants **measured side by side in one process**: every "
         "repetition times every variant once, in rotating order, and the figure is the median of the "
         "per-repetition ratios (these machines are shared and noisy; load that drifts over minutes hits "
         "both sides of a ratio alike). Results, machine, versions and the exact command are in "

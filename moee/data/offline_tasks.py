@@ -211,9 +211,3 @@ def load_leak_check() -> dict[str, Any]:
     """The committed leak-check record (see ``LEAK_CHECK_FILE``)."""
     with resources.files("moee.data").joinpath("offline", LEAK_CHECK_FILE).open("r", encoding="utf-8") as fh:
         return json.load(fh)
-
-
-def tasks_by_family(family: str) -> list[str]:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
-    return [n for n, t in OFFLINE_TASKS.items() if t.family == family]
