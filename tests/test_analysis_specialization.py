@@ -560,7 +560,7 @@ def test_permuted_group_max_edge_cases():
     # many layers x k: the groups span several token blocks, each group still counted whole
     L, k, E = 64, 64, 64
     sample = np.broadcast_to(np.arange(k, dtype=np.int16), (5, L, k))  # every route selects every expert
-    sizes = np.array([1500, 1500, 1500])
+    sizes = np.array([1500, 5000, 1500])  # the 5000 alone spans three token blocks of 2048
     assert (_permuted_group_max(sizes, sample, E, rng) == sizes[:, None]).all()
 
 
@@ -620,11 +620,13 @@ def test_baselines_method_block_and_min_token_count():
     assert base == acc.baselines(5)  # the default min_token_count is 5, and the result is seeded
     assert base["vocabulary"] == [None]  # no type seen 5 times
     assert acc.baselines(2)["vocabulary"][0] is not None  # types seen exactly twice count
+    acc.update(np.array([7, 7, 7, 7]), probs[:4], text_index=1)  # type 7 now seen exactly 5 times
+    assert acc.baselines()["vocabulary"][0] is not None
     assert base["method"] == {
         "kind": "permutation",
         "permutations": 4,
         "seed": 9,
-        "sampled_tokens": 5,
+        "sampled_tokens": 5,  # before the second text
         "exact": True,
         "vocabulary": "routes shuffled against tokens (token types seen >= min_token_count times)",
         "domains": "token routes shuffled against domain labels",
