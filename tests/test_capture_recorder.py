@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from moee.capture import RoutingRecorder, find_routers, find_routers_by_pattern
 from moee.capture.oracle import padded_batch
+from moee.capture.recorder import DEFAULT_SCORE, _first_tensor, _projection
+from moee.capture.registry import RouterSpec, apply_score, selection_bias
 from moee.capture.tiny import tiny_model
 
 
@@ -106,27 +110,91 @@ def test_kept_memory_does_not_grow_with_length(olmoe):
     assert sizes[0] == sizes[1] == sizes[2] == 4 * 2 * (2 * 8 + 64 + 2 * 64)
 
 
+def _exact(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
 def test_set_batch_is_required_and_validated(olmoe):
     with RoutingRecorder(olmoe) as rec:
-        with pytest.raises(RuntimeError, match="set_batch"), torch.no_grad():
-            olmoe(torch.randint(4, 100, (1, 3)))
-        with pytest.raises(ValueError, match="at least one real token"):
+        with pytest.raises(
+            RuntimeError, match=_exact("call recorder.set_batch(attention_mask) before the forward pass")
+        ):
+            with torch.no_grad():
+                olmoe(torch.randint(4, 100, (1, 3)))
+        with pytest.raises(
+            ValueError,
+            match=_exact("every sequence needs at least one real token (attention_mask row of zeros)"),
+        ):
             rec.set_batch(torch.tensor([[1, 1], [0, 0]]))
-        with pytest.raises(ValueError, match=r"\[batch, seq_len\]"):
+        with pytest.raises(ValueError, match=_exact("attention_mask must be a [batch, seq_len] tensor")):
             rec.set_batch(torch.ones(3))
-    with pytest.raises(ValueError, match="unknown pooling"):
+    with pytest.raises(
+        ValueError, match=_exact("unknown pooling 'max'; expected one of: last, mean, tokens")
+    ):
         RoutingRecorder(olmoe, pooling="max")
-    with pytest.raises(ValueError, match="unknown score"):
+    with pytest.raises(
+        ValueError, match=_exact("unknown score 'probs'; expected one of: native, softmax, selection, logits")
+    ):
         RoutingRecorder(olmoe, score="probs")
+    with pytest.raises(ValueError, match=_exact("no MoE router found in OlmoeForCausalLM")):
+        RoutingRecorder(olmoe, routers=[])
+    flat = nn.ModuleDict({"moe": _CustomMoE()})  # a router but no decoder-layer stack
+    with pytest.raises(
+        ValueError, match=_exact("cannot find the decoder layers of ModuleDict for hs_layers=True")
+    ):
+        RoutingRecorder(flat, routers=find_routers_by_pattern(flat), hs_layers=True)
 
 
 def test_results_before_forward_raise(olmoe):
     with RoutingRecorder(olmoe) as rec:
         rec.set_batch(torch.ones(1, 2, dtype=torch.long))
-        with pytest.raises(RuntimeError, match="no routing was recorded"):
+        names = [r.name for r in find_routers(olmoe)]
+        with pytest.raises(
+            RuntimeError,
+            match=_exact(
+                f"no routing was recorded for 2 router(s) ({names[0]} ...): "
+                "run the forward pass inside the `with` block after set_batch()"
+            ),
+        ):
             rec.pooled_rw()
-        with pytest.raises(RuntimeError, match="token_rw"):
+        with pytest.raises(RuntimeError, match=_exact('token_rw() needs pooling="tokens"')):
             rec.token_rw()
+        with pytest.raises(
+            RuntimeError,
+            match=_exact("no hidden state recorded: run the forward pass inside the `with` block"),
+        ):
+            rec.pooled_hs()
+        with pytest.raises(
+            RuntimeError, match=_exact("pooled_hs_all_layers() needs RoutingRecorder(..., hs_layers=True)")
+        ):
+            rec.pooled_hs_all_layers()
+    with RoutingRecorder(olmoe, hs_layers=True) as rec:
+        rec.set_batch(torch.ones(1, 2, dtype=torch.long))
+        with pytest.raises(
+            RuntimeError,
+            match=_exact("no per-layer hidden states recorded: run the forward pass inside the `with` block"),
+        ):
+            rec.pooled_hs_all_layers()
+    rec = _run(olmoe, padded_batch([3], 100, "left"), pooling="tokens")
+    with pytest.raises(RuntimeError, match=_exact('pooling="tokens" records token routes; use token_rw()')):
+        rec.pooled_rw()
+
+
+def test_recorder_attributes_and_given_routers(olmoe):
+    routers = find_routers(olmoe)
+    rec = RoutingRecorder(olmoe, routers[1:])
+    assert rec.model is olmoe and rec.layers == [routers[1].name] and rec.score == DEFAULT_SCORE
+    assert not rec.hs_layers
+    before = _hook_count(olmoe)
+    with rec:
+        assert (
+            _hook_count(olmoe) == before + 2
+        )  # one router + the final hidden state; no layer hooks by default
+        rec.set_batch(torch.ones(2, 3, dtype=torch.long))
+        with torch.no_grad():
+            olmoe(torch.randint(4, 100, (2, 3)), use_cache=False)
+    assert rec.pooled_rw().shape == (2, 1, 8)
+    assert rec.kept_bytes() == 4 * 2 * (8 + 64)
 
 
 # ------------------------------------------------------------------ pattern fallback
@@ -269,5 +337,414 @@ def test_token_selection_is_the_routers_own_choice(olmoe):
 
 def test_token_selection_needs_tokens_pooling(olmoe):
     rec = _run(olmoe, padded_batch([3], 100, "left"))
-    with pytest.raises(RuntimeError, match='needs pooling="tokens"'):
+    with pytest.raises(RuntimeError, match=_exact('token_selection() needs pooling="tokens"')):
         rec.token_selection()
+
+
+def test_token_selection_of_routers_without_a_returned_choice():
+    """Pattern-found routers: re-derived from the selection score when k is known, else None."""
+    torch.manual_seed(0)
+    model = _CustomLM()
+    with pytest.warns(UserWarning):
+        routers = find_routers(model)
+    ids = torch.randint(0, 50, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    with RoutingRecorder(model, routers, pooling="tokens") as rec, torch.no_grad():
+        rec.set_batch(mask)
+        model(ids)
+    assert rec.selection_returned == [False, False]
+    assert rec.token_selection() is None  # the custom gate declares no k
+    for r in routers:
+        r.top_k = 2
+    seen = {}
+    handle = model.layers[0].gate.register_forward_hook(lambda m, a, out: seen.update(idx=out[0]))
+    try:
+        with RoutingRecorder(model, routers, pooling="tokens") as rec, torch.no_grad():
+            rec.set_batch(mask)
+            model(ids)
+    finally:
+        handle.remove()
+    selection = rec.token_selection()
+    assert selection.shape == (2, 5, 2, 2)
+    assert torch.equal(selection[:, :, 0].reshape(10, 2).sort(-1).values, seen["idx"].sort(-1).values)
+    routers[1].top_k = 1  # a layer with a smaller k is padded with -1
+    with RoutingRecorder(model, routers, pooling="tokens") as rec, torch.no_grad():
+        rec.set_batch(mask)
+        model(ids)
+    mixed = rec.token_selection()
+    assert torch.equal(mixed[:, :, 0], selection[:, :, 0])
+    assert torch.equal(mixed[:, :, 1, 0], selection[:, :, 1, 0]) and bool((mixed[:, :, 1, 1] == -1).all())
+
+
+# ------------------------------------------------------------------ scores that need the router or its bias
+@pytest.fixture(scope="module")
+def deepseek_v3():
+    """Group-limited sigmoid router with a (randomised) selection-only correction bias."""
+    model = tiny_model("deepseek_v3", n_layers=3)
+    gen = torch.Generator().manual_seed(0)
+    for spec in find_routers(model):
+        spec.router.e_score_correction_bias.copy_(torch.rand(8, generator=gen) * 0.5)
+    return model
+
+
+def _router_calls(model):
+    """Each router's output and its selection-only bias, from hooks independent of the recorder."""
+    seen = {}
+    handles = [
+        r.router.register_forward_hook(
+            lambda m, a, kw, out, i=i: seen.__setitem__(i, (out, selection_bias(m, a, kw))), with_kwargs=True
+        )
+        for i, r in enumerate(find_routers(model))
+    ]
+    return seen, handles
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "tokens"])
+@pytest.mark.parametrize("score", ["selection", "native"])
+def test_selection_score_uses_the_router_and_its_bias(deepseek_v3, pooling, score):
+    batch = padded_batch([5, 3], 100, "left", seed=7)
+    seen, handles = _router_calls(deepseek_v3)
+    try:
+        rec = _run(deepseek_v3, batch, pooling=pooling, score=score)
+    finally:
+        for handle in handles:
+            handle.remove()
+    routers = find_routers(deepseek_v3)
+    mask = batch["attention_mask"].bool()
+    for i, spec in enumerate(routers):
+        logits, bias = seen[i][0][0].float().reshape(2, 5, 8), seen[i][1]
+        assert bias is not None and bool(bias.abs().sum() > 0)
+        expected = apply_score(logits, score, spec.rule, spec.router, bias)
+        if pooling == "tokens":
+            got = rec.token_rw()[:, :, i]
+            assert torch.allclose(got, expected, atol=1e-6)
+            # the re-derived choice (top-k of selection) is the router's own one
+            derived = rec._derived[i].sort(-1).values[mask]
+            assert torch.equal(derived, seen[i][0][2].reshape(2, 5, 2).sort(-1).values[mask])
+        elif pooling == "last":
+            assert torch.allclose(rec.pooled_rw()[:, i], expected[:, -1], atol=1e-6)
+        else:
+            means = torch.stack([expected[0].mean(0), expected[1, 2:].mean(0)])
+            assert torch.allclose(rec.pooled_rw()[:, i], means, atol=1e-6)
+    if score == "selection":  # the bias and the group limits change the scores
+        assert not torch.allclose(expected, apply_score(logits, "native", spec.rule, spec.router), atol=1e-3)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "tokens"])
+def test_native_score_reads_the_router(pooling):
+    """PhiMoE's native rule reads the router's jitter threshold: the recorder must pass the router."""
+    model = tiny_model("phimoe", n_layers=2)
+    for spec in find_routers(model):
+        spec.router.router_jitter_noise = 0.3
+    batch = padded_batch([4, 4], 100, "left", seed=8)
+    logits = _run(model, batch, pooling="tokens", score="logits").token_rw()
+    rec = _run(model, batch, pooling=pooling, score="native")
+    spec = find_routers(model)[0]
+    expected = apply_score(logits[:, :, 0], "native", spec.rule, spec.router)
+    assert not torch.allclose(expected, apply_score(logits[:, :, 0], "native", spec.rule, None))
+    got = rec.token_rw()[:, :, 0] if pooling == "tokens" else rec.pooled_rw()[:, 0]
+    want = {"tokens": expected, "last": expected[:, -1], "mean": expected.mean(1)}[pooling]
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+# ------------------------------------------------------------------ logits recomputed from the input
+class _TopKOnlyRouter(nn.Module):
+    """A router that returns only its top-k values, called with the hidden states as a keyword."""
+
+    def __init__(self, d: int, n: int, key: str) -> None:
+        super().__init__()
+        # with a bias (the recomputed logits must include it), in float64 (the input must be cast to it)
+        self.proj = nn.Linear(d, n).double()
+        self.key = key
+
+    def forward(self, **kwargs):
+        return self.proj(kwargs[self.key].double()).topk(2, dim=-1)
+
+
+class _KeywordLM(nn.Module):
+    def __init__(self, key: str, d: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, d)
+        self.router = _TopKOnlyRouter(d, n, key)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        self.router(**{self.router.key: h, "mask": None})
+        return (h, "extra")  # a tuple output: the hidden state is element 0
+
+
+@pytest.mark.parametrize("key", ["hidden_states", "x", "input", "other"])
+def test_logits_recomputed_from_a_keyword_input(key):
+    torch.manual_seed(0)
+    model = _KeywordLM(key)
+    spec = RouterSpec(
+        name="router", module=model.router, layer_index=0, n_experts=4, rule="softmax", logits_index=0
+    )
+    ids = torch.randint(0, 20, (2, 3))
+    with RoutingRecorder(model, [spec], pooling="tokens", score="logits") as rec, torch.no_grad():
+        rec.set_batch(torch.ones(2, 3, dtype=torch.long))
+        model(ids)
+    with torch.no_grad():
+        h = model.embed(ids)
+        expected = model.router.proj(h.double()).float()
+    assert torch.allclose(rec.token_rw()[:, :, 0], expected, atol=1e-6)
+    assert torch.allclose(rec.pooled_hs(), h[:, -1], atol=1e-6)
+    assert rec.selection_returned == [False] and rec.token_selection() is None
+
+
+def test_first_tensor_prefers_positional_then_named_inputs():
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    assert _first_tensor((a,), {"hidden_states": b}) is a
+    assert _first_tensor((), {"other": c, "x": b}) is b
+    assert _first_tensor((), {"other": c, "input": b}) is b
+    assert _first_tensor((), {"other": c, "hidden_states": b}) is b
+    assert _first_tensor(("not a tensor",), {"other": c}) is c
+    assert _first_tensor((), {"flag": True}) is None
+
+
+def test_projection_finds_the_routers_own_weight_and_bias():
+    lin = nn.Linear(6, 4)
+    assert _projection(lin, 4) == (lin.weight, lin.bias)
+    no_bias = nn.Linear(6, 4, bias=False)
+    assert _projection(no_bias, 4) == (no_bias.weight, None)
+    flagged = nn.Module()  # a router whose `bias` is a config flag, not a tensor
+    flagged.weight, flagged.bias = nn.Parameter(torch.randn(4, 6)), True
+    assert _projection(flagged, 4) == (flagged.weight, None)
+    wrapper = nn.Sequential(nn.Linear(6, 3), nn.Linear(3, 4))  # the one [.. -> 4] Linear inside
+    assert _projection(wrapper, 4) == (wrapper[1].weight, wrapper[1].bias)
+    odd = nn.Linear(6, 5)  # its own weight has the wrong width: the search goes inside (and finds nothing)
+    with pytest.raises(
+        RuntimeError,
+        match=_exact("cannot recompute the logits of Linear: no unique [hidden -> 4] projection"),
+    ):
+        _projection(odd, 4)
+    two = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 4))
+    with pytest.raises(
+        RuntimeError,
+        match=_exact("cannot recompute the logits of Sequential: no unique [hidden -> 4] projection"),
+    ):
+        _projection(two, 4)
+
+
+def test_wrong_shapes_are_named(olmoe):
+    rec = RoutingRecorder(olmoe)
+    rec.set_batch(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(
+        RuntimeError, match=_exact("what: got a tensor of shape (5, 8) for a batch of 2x3 tokens")
+    ):
+        rec._as_btx(torch.zeros(5, 8), "what")
+    with pytest.raises(
+        RuntimeError, match=_exact("what: got a tensor of shape (3, 2, 8) for a batch of 2x3 tokens")
+    ):
+        rec._as_btx(torch.zeros(3, 2, 8), "what")
+    assert rec._as_btx(torch.zeros(6, 8), "what").shape == (2, 3, 8)
+    assert rec._as_btx(torch.zeros(2, 3, 8), "what").shape == (2, 3, 8)
+    assert rec._as_btx(torch.zeros(6), "what").shape == (2, 3, 1)
+    with pytest.raises(
+        RuntimeError, match=_exact("what: got a tensor of shape (2, 5) for a batch of 2x3 tokens")
+    ):
+        rec._as_btx(torch.zeros(2, 5), "what")
+    with pytest.raises(
+        RuntimeError, match=_exact("what: got a tensor of shape (3, 4) for a batch of 2x3 tokens")
+    ):
+        rec._as_btx(torch.zeros(3, 4), "what")
+
+
+class _TupleLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h):
+        return (self.lin(h), "cache")
+
+
+class _TupleLayersLM(nn.Module):
+    """Decoder layers that return tuples, and a final output that is not a tensor at all."""
+
+    def __init__(self, d: int = 8, broken: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, d)
+        self.layers = nn.ModuleList([_TupleLayer(d), _TupleLayer(d)])
+        self.router = nn.Linear(d, 4)
+        self.broken = broken
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)[0]
+        self.router(h)
+        return ("no tensor",) if self.broken else h
+
+
+def test_tuple_layer_outputs_and_a_missing_final_state():
+    torch.manual_seed(0)
+    model = _TupleLayersLM()
+    spec = RouterSpec(
+        name="router", module=model.router, layer_index=0, n_experts=4, rule="softmax", logits_index=None
+    )
+    ids = torch.randint(0, 20, (2, 3))
+    with RoutingRecorder(model, [spec], hs_layers=True) as rec, torch.no_grad():
+        rec.set_batch(torch.ones(2, 3, dtype=torch.long))
+        model(ids)
+        first = model.layers[0](model.embed(ids))[0]
+    assert torch.allclose(rec.pooled_hs_all_layers()[:, 0], first[:, -1], atol=1e-6)
+    broken = _TupleLayersLM(broken=True)
+    spec = RouterSpec(
+        name="router", module=broken.router, layer_index=0, n_experts=4, rule="softmax", logits_index=None
+    )
+    with RoutingRecorder(broken, [spec]) as rec, torch.no_grad():
+        rec.set_batch(torch.ones(2, 3, dtype=torch.long))
+        with pytest.raises(RuntimeError, match=_exact("_TupleLayersLM returned no last_hidden_state tensor")):
+            broken(ids)
+
+
+class _SoftcapRouter(nn.Linear):
+    """Declared logits that are not the plain projection (softcapped, as Laguna's), in a tuple."""
+
+    def forward(self, x):
+        logits = torch.tanh(super().forward(x) / 2) * 2
+        return logits, logits.topk(2, dim=-1).indices
+
+
+class _SoftcapLM(nn.Module):
+    def __init__(self, d: int = 8, twice: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, d)
+        self.router = _SoftcapRouter(d, 4)
+        self.twice = twice
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        out = self.router(h)
+        if self.twice:
+            self.router(h)
+        return h + out[0].sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("as_tuple", [True, False])
+def test_declared_logits_are_read_not_recomputed(as_tuple):
+    torch.manual_seed(0)
+    model = _SoftcapLM()
+    spec = RouterSpec(
+        name="router",
+        module=model.router,
+        layer_index=0,
+        n_experts=4,
+        rule="softmax",
+        logits_index=0 if as_tuple else None,
+    )
+    if not as_tuple:  # a router returning the bare logits tensor, declared with index 0 (DBRX-like)
+        model.router.forward = lambda x, r=model.router: _SoftcapRouter.forward(r, x)[0]
+        spec.logits_index = 0
+    ids = torch.randint(0, 20, (2, 3))
+    with RoutingRecorder(model, [spec], pooling="tokens", score="logits") as rec, torch.no_grad():
+        rec.set_batch(torch.ones(2, 3, dtype=torch.long))
+        model(ids)
+        expected = (
+            torch.tanh(nn.functional.linear(model.embed(ids), model.router.weight, model.router.bias) / 2) * 2
+        )
+    assert torch.allclose(rec.token_rw()[:, :, 0], expected, atol=1e-6)
+
+
+def test_a_router_running_twice_is_refused():
+    model = _SoftcapLM(twice=True)
+    spec = RouterSpec(
+        name="router", module=model.router, layer_index=0, n_experts=4, rule="softmax", logits_index=0
+    )
+    with RoutingRecorder(model, [spec]) as rec, torch.no_grad():
+        rec.set_batch(torch.ones(1, 3, dtype=torch.long))
+        with pytest.raises(
+            RuntimeError,
+            match=_exact("router router ran twice in one forward pass; call set_batch() before each forward"),
+        ):
+            model(torch.randint(0, 20, (1, 3)))
+
+
+class _ToyRouter(nn.Module):
+    """Sigmoid router with a selection-only bias passed in by its block (like AFMoE / LFM2-MoE),
+    float64 weights, and its top-k returned in ascending expert order (not by score)."""
+
+    def __init__(self, d: int, n: int, bad: str | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d, dtype=torch.float64))
+        self.bad = bad
+
+    def forward(self, hidden_states, expert_bias=None):
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(self.weight.dtype)
+        logits = flat @ self.weight.T
+        index = (logits.sigmoid() + expert_bias).topk(2, dim=-1).indices.sort(dim=-1).values
+        if self.bad == "logits":
+            logits = logits[: hidden_states.shape[0]]  # [B, E]: one row per text, not per token
+        if self.bad == "selection":
+            index = index[:-1]
+        return logits, logits.new_ones(index.shape), index
+
+
+class _Crop(nn.Linear):
+    """A decoder layer whose output lost the sequence axis."""
+
+    def forward(self, x):
+        return super().forward(x)[:, :1, :3]
+
+
+class _ToyLM(nn.Module):
+    def __init__(self, d: int = 8, n: int = 4, bad: str | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, d)
+        self.layers = nn.ModuleList([_Crop(d, d) if bad == "layer" else nn.Linear(d, d)])
+        self.router = _ToyRouter(d, n, bad)
+        self.register_buffer("expert_bias", torch.tensor([0.0, 0.6, -0.6, 0.3]))
+        self.bad = bad
+
+    def forward(self, input_ids):
+        h = self.layers[0](self.embed(input_ids))
+        self.router(h, expert_bias=self.expert_bias)
+        return h[:1] if self.bad == "final" else h
+
+
+def _toy_spec(model: _ToyLM) -> RouterSpec:
+    return RouterSpec(
+        name="router",
+        module=model.router,
+        layer_index=0,
+        n_experts=4,
+        rule="sigmoid_bias",
+        logits_index=0,
+        top_k=2,
+        selection_format="tuple",
+    )
+
+
+def test_bias_passed_by_keyword_and_the_routers_own_order():
+    torch.manual_seed(0)
+    model = _ToyLM()
+    ids = torch.randint(0, 20, (2, 2))
+    with (
+        RoutingRecorder(model, [_toy_spec(model)], pooling="tokens", score="selection") as rec,
+        torch.no_grad(),
+    ):
+        rec.set_batch(torch.ones(2, 2, dtype=torch.long))
+        model(ids)
+        logits = model.layers[0](model.embed(ids)).double() @ model.router.weight.T
+    assert torch.allclose(rec.token_rw()[:, :, 0], (logits.sigmoid() + model.expert_bias).float(), atol=1e-6)
+    expected = (logits.sigmoid() + model.expert_bias).topk(2, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(rec.token_selection()[:, :, 0], expected)  # as returned: ascending, not by score
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("logits", "router: expected 4 router logits per token, got 2"),
+        ("selection", "router selection: got a tensor of shape (3, 2) for a batch of 2x2 tokens"),
+        ("layer", "decoder layer 0: got a tensor of shape (2, 1, 3) for a batch of 2x2 tokens"),
+        ("final", "last_hidden_state: got a tensor of shape (1, 2, 8) for a batch of 2x2 tokens"),
+    ],
+)
+def test_wrong_shapes_inside_hooks_name_the_tensor(bad, message):
+    torch.manual_seed(0)
+    model = _ToyLM(bad=bad)
+    with RoutingRecorder(model, [_toy_spec(model)], pooling="tokens", hs_layers=True) as rec, torch.no_grad():
+        rec.set_batch(torch.ones(2, 2, dtype=torch.long))
+        with pytest.raises(RuntimeError, match=_exact(message)):
+            model(torch.randint(0, 20, (2, 2)))

@@ -149,3 +149,30 @@ def test_bad_inputs():
         combine(bad, rw, "hs")
     with pytest.raises(TypeError, match="numeric array"):
         combine(np.array([["a"]]), None, "hs")
+
+
+def test_output_dim_of_every_method_and_bad_method():
+    assert {m: output_dim(m, 6, 3, 4) for m in METHODS} == {
+        "hs": 6,
+        "rw": 12,
+        "moee_concat": 18,
+        "moee_sum": 18,
+    }
+    hs, rw = _data()
+    for method in METHODS:
+        assert combine(hs, rw, method).shape[1] == output_dim(method, 6, 3, 4)
+    with pytest.raises(ValueError, match="unknown method 'mean'; expected one of: hs, rw"):
+        output_dim("mean", 6, 3, 4)
+
+
+def test_default_alpha_is_one():
+    hs, rw = _data()
+    np.testing.assert_array_equal(combine(hs, rw, "moee_sum"), combine(hs, rw, "moee_sum", alpha=1.0))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.int32])
+def test_float_and_integer_inputs_of_any_width(dtype):
+    hs, rw = _data()
+    hs_t, rw_t = (hs * 10).astype(dtype), (rw * 10).astype(dtype)
+    expected = combine(hs_t.astype(np.float64), rw_t.astype(np.float64), "moee_concat")
+    np.testing.assert_allclose(combine(hs_t, rw_t, "moee_concat"), expected, rtol=1e-6)

@@ -12,17 +12,18 @@ Every router found becomes a :class:`RouterSpec`; the hooks of
 (before any top-k) from it and turn them into a dense distribution with a scoring rule:
 
 ``score="native"``    (the default, :data:`DEFAULT_SCORE`) the architecture's own scoring
-                      function applied densely to all experts (see :data:`RULES`): the distribution
-                      the model itself computes. Sigmoid for DeepSeek-V3-style, Llama-4 and the
+                      function applied densely to all experts (see :data:`RULES`): the scores the
+                      model itself computes and weights its experts by. Sigmoid for DeepSeek-V3-style, Llama-4 and the
                       bundled loss-free routers (a selection-only bias such as
                       ``e_score_correction_bias`` changes *which* experts are chosen, never their
                       scores, so it is not added), sqrt-softplus for DeepSeek-V4, the first-stage
                       masked softmax of PhiMoE's sparsemixer, softmax otherwise (top-k-then-softmax
                       routers renormalise the *same* softmax over the selected experts, so their
                       dense form is the full softmax). For softmax routers it equals ``softmax``.
+                      Where a selection-only bias exists, its top-k is *not* the router's choice.
 ``score="softmax"``   softmax over the logits for every architecture: the paper's dense routing
-                      distribution (Li & Zhou 2024, Section 3, g^(l)). For a sigmoid router this is
-                      a distribution the model never computes; kept as the paper's explicit option.
+                      distribution (Li & Zhou 2024, the routing weights g^(l)). For a sigmoid router
+                      these are values the model never computes; kept as the paper's explicit option.
 ``score="selection"`` what the router ranks to choose its top-k, over all experts: the native
                       scores (the logits for Kolibri, whose bias shifts the logits; the softmax for
                       PhiMoE, whose top-2 is that of the logits) plus the selection-only bias, with

@@ -28,11 +28,11 @@ POOLINGS = ("last", "mean")
 #: How router logits become RW (see ``moee.capture.registry``): ``native`` is the architecture's own
 #: scoring rule over all experts (softmax for softmax routers such as OLMoE, Qwen-MoE and Mixtral;
 #: sigmoid for DeepSeek-V3-style and Llama-4 routers), ``softmax`` the dense softmax of the logits
-#: for every architecture (the paper's formula, Section 3), ``selection`` what the router ranks to
+#: for every architecture (the paper's formula for g^(l)), ``selection`` what the router ranks to
 #: pick its top-k (selection-only biases and group limits included), ``logits`` the raw logits.
 SCORES = ("native", "softmax", "selection", "logits")
-#: The score every API, CLI command and evaluation uses unless told otherwise: the distribution the
-#: model itself computes (equal to ``softmax`` for softmax routers, so the paper's models are unchanged).
+#: The score every API, CLI command and evaluation uses unless told otherwise: the scores the model
+#: itself computes (equal to ``softmax`` for softmax routers, so the paper's models are unchanged).
 DEFAULT_SCORE = "native"
 
 
