@@ -170,6 +170,30 @@ def test_config_validation(corpus, tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize(
+    ("model_keys", "message"),
+    [
+        (
+            {"router_type": "switch", "num_experts_per_tok": 1, "router_capacity_factr": 2.0},
+            "router_capacity_factr",
+        ),
+        ({"router_type": "hierarchical"}, "router_n_groups"),
+        ({"router_type": "top2"}, "router_type must be one of"),
+        ({"num_experts_per_tok": 9, "num_experts": 4}, "num_experts_per_tok"),
+    ],
+)
+def test_model_section_is_checked_when_the_config_is_read(corpus, tmp_path, model_keys, message):
+    """A misspelt model key would otherwise be accepted and do nothing; router settings are
+    checked before any tokenization, and the error names the config file."""
+    cfg = tiny_cfg(corpus, tmp_path)
+    cfg["model"].update(model_keys)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
 def test_lr_schedule_warmup_then_cosine():
     assert lr_at(0, 100, 10, 0.1) == pytest.approx(0.1)
     assert lr_at(9, 100, 10, 0.1) == pytest.approx(1.0)

@@ -173,6 +173,7 @@ def load_config(source: str | os.PathLike | dict) -> dict:
             cfg[key].update(value)
         else:
             cfg[key] = value
+    _check_model_section(cfg["model"], origin)
     for name in ("train", "tokenizer"):
         if not cfg["data"][name]:
             raise ValueError(f"{origin}: data.{name} is required")
@@ -190,6 +191,28 @@ def load_config(source: str | os.PathLike | dict) -> dict:
     if cfg["schedule"]["warmup_steps"] < 0 or not 0 <= cfg["schedule"]["min_lr_ratio"] <= 1:
         raise ValueError(f"{origin}: schedule.warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
     return cfg
+
+
+def _check_model_section(model: Any, origin: str) -> None:
+    """Reject unknown `model` keys (MoEEConfig would store a misspelt router key and ignore it)
+    and check the values, router settings included, before any data is tokenized."""
+    import dataclasses
+
+    from moee.moe.lm import MoEEConfig
+
+    if not isinstance(model, dict):
+        raise ValueError(f"{origin}: section 'model' must be an object")
+    known = {f.name for f in dataclasses.fields(MoEEConfig)} | set(MoEEConfig.attribute_map)
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise ValueError(
+            f"{origin}: unknown key(s) {unknown} in 'model'; expected MoEEConfig fields "
+            "(router keys: moee/moe/README_TRAINING.md)"
+        )
+    try:
+        MoEEConfig(**model)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{origin}: model: {exc}") from exc
 
 
 def lr_at(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
