@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_leak_check(path: Path, paths: DataPaths, command: str) -> None:
     """The committed record of the leak check: its rule, per task the candidates left out per
     source, and per source the keys of the spans it shares with any candidate (see
-    ``moee.data.offline_tasks.committed_leaks``), so the committed data can be re-checked anywhere."""
+    ``moee_build.corpus.committed_leaks``), so the committed data can be re-checked anywhere."""
     leaks, report = training_leaks(paths)
     spans = {}
     for source in TRAINING_SOURCES:
