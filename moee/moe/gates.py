@@ -415,8 +415,9 @@ class BatchwiseBalancedGate(nn.Module):
     Scores ``X = Softmax(x W_g)`` (the dense gate ``G_sigma``). Training: ``M_batchwise`` keeps, for
     each expert, the ``m = max(1, k*|X| // n)`` examples with the highest score for it (exactly m per
     expert, ``n*m`` assignments, k per example on average only); the gate is the masked scores
-    renormalised per row. Inference: ``M_threshold(x, T)_i = [x_i > T_i]`` with learned thresholds
-    ``T [n]`` (initialised to ``1/n``), since a batch-dependent mask cannot be used on single inputs.
+    renormalised per row. Inference (eval mode): ``M_threshold(x, T)_i = [x_i > T_i]`` with learned
+    thresholds ``T [n]`` (initialised to ``1/n``), since a batch-dependent mask cannot be used on
+    single inputs; each row's selection then depends on that row alone.
 
     ``T`` is trained by ``L_batchwise = sum_j sum_i (M_threshold(X_j, T)_i - M_batchwise_{j,i}) *
     (X_{j,i} - T_i)``, evaluated per row j (the paper's ``M_threshold(x, T)`` inside the sum over j
@@ -494,6 +495,10 @@ class ExpertChoiceGate(nn.Module):
     un-renormalised score ``S[token, expert]`` (as in the paper). Token-major ``GateOutput`` rows are
     padded (see ``mask``); the expert-major form is in ``aux["expert_tokens"]`` and
     ``aux["expert_weights"]`` (both ``[E, C]``), which a layer can dispatch directly.
+
+    Not causal: the top-C sort runs over every row of ``x``, so in a causal LM a token's experts
+    depend on later tokens of its sequence (a future-token leak, in eval mode too); the LM warns
+    when it is selected (``router_type="expert_choice"``, ``moee.moe.gate_registry``).
     """
 
     def __init__(
