@@ -676,6 +676,8 @@ class _ToyRouter(nn.Module):
         index = (logits.sigmoid() + expert_bias).topk(2, dim=-1).indices.sort(dim=-1).values
         if self.bad == "logits":
             logits = logits[: hidden_states.shape[0]]  # [B, E]: one row per text, not per token
+        if self.bad == "rows":
+            logits = logits[:3]
         if self.bad == "selection":
             index = index[:-1]
         return logits, logits.new_ones(index.shape), index
@@ -735,16 +737,17 @@ def test_bias_passed_by_keyword_and_the_routers_own_order():
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        ("logits", "router: expected 4 router logits per token, got 2"),
-        ("selection", "router selection: got a tensor of shape (3, 2) for a batch of 2x2 tokens"),
-        ("layer", "decoder layer 0: got a tensor of shape (2, 1, 3) for a batch of 2x2 tokens"),
-        ("final", "last_hidden_state: got a tensor of shape (1, 2, 8) for a batch of 2x2 tokens"),
+        ("logits", "router: expected 4 router logits per token, got 1"),
+        ("rows", "router: got a tensor of shape (3, 4) for a batch of 2x4 tokens"),
+        ("selection", "router selection: got a tensor of shape (7, 2) for a batch of 2x4 tokens"),
+        ("layer", "decoder layer 0: got a tensor of shape (2, 1, 3) for a batch of 2x4 tokens"),
+        ("final", "last_hidden_state: got a tensor of shape (1, 4, 8) for a batch of 2x4 tokens"),
     ],
 )
 def test_wrong_shapes_inside_hooks_name_the_tensor(bad, message):
     torch.manual_seed(0)
     model = _ToyLM(bad=bad)
     with RoutingRecorder(model, [_toy_spec(model)], pooling="tokens", hs_layers=True) as rec, torch.no_grad():
-        rec.set_batch(torch.ones(2, 2, dtype=torch.long))
+        rec.set_batch(torch.ones(2, 4, dtype=torch.long))
         with pytest.raises(RuntimeError, match=_exact(message)):
-            model(torch.randint(0, 20, (2, 2)))
+            model(torch.randint(0, 20, (2, 4)))
