@@ -2,24 +2,34 @@
 
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import (
+    DEFAULT_SCORE,
     MODEL_TYPE_RULES,
     RULES,
+    SCORES,
+    SELECTION_FORMATS,
     RouterSpec,
     apply_score,
     find_routers,
     find_routers_by_pattern,
+    read_selection,
     router_report,
+    selection_scores,
     supported_architectures,
 )
 
 __all__ = [
+    "DEFAULT_SCORE",
     "MODEL_TYPE_RULES",
     "RULES",
+    "SCORES",
+    "SELECTION_FORMATS",
     "RouterSpec",
     "RoutingRecorder",
     "apply_score",
     "find_routers",
     "find_routers_by_pattern",
+    "read_selection",
     "router_report",
+    "selection_scores",
     "supported_architectures",
 ]

@@ -806,6 +806,8 @@ def supported_architectures() -> list[str]:
     """The transformers ``model_type`` names whose capture passes the oracle test, sorted.
 
     Each one is exercised by ``tests/test_capture_architectures.py`` on a tiny random model
-    (captured distributions against the model's own ``output_router_logits``).
+    (captured distributions against the model's own ``output_router_logits``; the recorded selection,
+    the top-k of the ``selection`` score and the native weights against what each MoE block
+    dispatches).
     """
     return sorted(MODEL_TYPE_RULES)
