@@ -31,6 +31,8 @@ from sklearn.cluster import KMeans
 from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix, pair_confusion_matrix
 
+from moee.embed.methods import DEFAULT_SCORE
+
 __all__ = [
     "pair_jaccard",
     "matched_accuracy",
@@ -199,9 +201,11 @@ def overlap_for_texts(
     n_init: int = 10,
     chance_permutations: int = 10,
     batch_size: int = 32,
+    score: str = DEFAULT_SCORE,
 ) -> dict:
-    """Trace ``texts`` once (last-token HS and dense-softmax RW) and run ``overlap_sweep`` over ``ks``."""
-    trace = embedder.trace(list(texts), pooling="last", prompt=prompt, score="softmax", batch_size=batch_size)
+    """Trace ``texts`` once (last-token HS and RW under ``score``, by default the routers' own
+    scoring rule) and run ``overlap_sweep`` over ``ks``."""
+    trace = embedder.trace(list(texts), pooling="last", prompt=prompt, score=score, batch_size=batch_size)
     sweep = overlap_sweep(
         trace.rw,
         trace.hs,
