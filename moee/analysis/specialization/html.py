@@ -198,7 +198,7 @@ def render_html(report: dict, *, expert_layers: Sequence[int] | None = None) -> 
     meta = report.get("meta", {})
     if meta:
         parts.append(
-            f"<p>Command: <code>{esc(str(meta.get('command', '')))}</code>; created {esc(str(meta.get('utc', '')))}; "
+            f"<p>Command: <code>{esc(str(meta.get('command', '')))}</code>; created {esc(str(meta.get('timestamp', meta.get('utc', ''))))}; "
             f"versions: <code>{esc(json.dumps(meta.get('versions', {})))}</code></p>"
         )
     b = report.get("baselines", {})
