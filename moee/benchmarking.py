@@ -8,12 +8,9 @@ the per-repetition ratios. Load that changes over minutes then hits both sides o
 
 from __future__ import annotations
 
-import datetime as _dt
 import gc
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -22,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moee.io import iter_jsonl
+from moee.provenance import machine_info, package_versions, run_record, utc_timestamp
 
 __all__ = [
     "RESULTS_DIR",
@@ -38,65 +36,24 @@ __all__ = [
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+#: The libraries a benchmark figure depends on (every one recorded, ``None`` when not installed).
+BENCH_PACKAGES = (
+    "moee",
+    "torch",
+    "transformers",
+    "accelerate",
+    "mteb",
+    "numpy",
+    "faiss-cpu",
+    "faiss-gpu-cu12",
+    "sentence-transformers",
+    "bitsandbytes",
+)
 
 
 def versions() -> dict[str, str | None]:
     """Versions of the libraries a figure depends on (``None`` when one is not installed)."""
-    from importlib import metadata
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in (
-        "moee",
-        "torch",
-        "transformers",
-        "accelerate",
-        "mteb",
-        "numpy",
-        "faiss-cpu",
-        "faiss-gpu-cu12",
-        "sentence-transformers",
-        "bitsandbytes",
-    ):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    if out["moee"] is None:  # running from a source checkout that is not pip-installed
-        import moee
-
-        out["moee"] = f"{moee.__version__} (source)"
-    return out
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, core counts, threads torch uses, memory and GPU (if any): enough to compare runs."""
-    info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-    try:
-        import psutil
-
-        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        info["memory_gb"] = None
-    import torch
-
-    info["torch_threads"] = torch.get_num_threads()
-    info["cuda"] = torch.cuda.is_available()
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    return package_versions(BENCH_PACKAGES, omit_missing=())
 
 
 def time_interleaved(
@@ -157,16 +114,21 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 
 def write_result(name: str, payload: Mapping[str, Any], out_dir: Path | str | None = None) -> Path:
-    """Write ``payload`` plus machine, versions, command and UTC time to ``<out_dir>/<name>.json``."""
+    """Write ``payload`` plus the run record (machine, versions, command, UTC time, git revision)
+    to ``<out_dir>/<name>.json``."""
     out = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
+    run = run_record(
+        [Path(sys.executable).name, *sys.argv], packages=BENCH_PACKAGES, omit_missing=(), machine=True
+    )
     record = {
         "benchmark": name,
-        "utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "utc": utc_timestamp(zulu=True),
+        "command": run["command"],
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ},
-        "machine": machine_info(),
-        "versions": versions(),
+        "machine": run["machine"],
+        "versions": run["versions"],
+        "git_revision": run["git_revision"],
         **payload,
     }
     path = out / f"{name}.json"

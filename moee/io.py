@@ -15,7 +15,8 @@ Readers yield texts lazily, so a corpus of millions of rows never has to fit in 
 Embedding files are plain ``.npy`` (float32 ``[n, dim]``, loaded with ``allow_pickle=False``)
 plus ``<name>.npy.json`` describing how they were made: model, method, pooling, prompt,
 score, alpha, the model's dtype (``model_dtype``) and the array's (``array_dtype``), shape,
-the SHA-256 of the array data (``data_sha256``), library versions, command line and timestamp.
+the SHA-256 of the array data (``data_sha256``) and the run record of ``moee.provenance``
+(library versions, command line, timestamp, git revision).
 ``EmbeddingWriter`` appends rows as they are computed and writes the final ``.npy`` header on
 close, so output size is not bounded by memory either.
 
@@ -28,26 +29,24 @@ corrupted or swapped array is an error too.
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os
-import shlex
 import struct
-import sys
 from collections.abc import Iterable, Iterator
-from importlib import metadata as _metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# the run record and file hashes live in moee.provenance; importable from here as before
+from moee.provenance import file_sha256, package_versions, run_record
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 DEFAULT_FIELD = "text"
 SIDECAR_FORMAT = "moee-embeddings/2"
-_HASH_BLOCK = 1 << 24  # bytes read at a time when hashing a file
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,30 +196,10 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def package_versions() -> dict[str, str | None]:
-    """Versions of the libraries that determine the numbers (read without importing them)."""
-    out: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for dist in ("moee", "torch", "transformers", "numpy", "mteb", "faiss-cpu", "faiss-gpu-cu12"):
-        try:
-            out[dist] = _metadata.version(dist)
-        except _metadata.PackageNotFoundError:
-            if dist == "moee":
-                from moee import __version__
-
-                out[dist] = __version__
-            elif not dist.startswith("faiss"):
-                out[dist] = None
-    return out
-
-
 def run_metadata(command: list[str] | None = None) -> dict[str, Any]:
-    """Versions, the command line (shell-quoted) and a UTC timestamp, for any result file."""
-    argv = list(sys.argv if command is None else command)
-    return {
-        "versions": package_versions(),
-        "command": " ".join(shlex.quote(a) for a in argv),
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    """The run record of ``moee.provenance`` (versions, shell-quoted command line, UTC
+    ``timestamp``, git revision) for any result file; ``sys.argv`` by default."""
+    return run_record(command)
 
 
 def _json_default(obj: Any) -> Any:
@@ -246,16 +225,6 @@ def write_json_atomic(path: str | Path, data: dict[str, Any]) -> Path:
     path = Path(path)
     os.replace(_write_json_tmp(path, data), path)
     return path
-
-
-def file_sha256(path: str | Path, *, offset: int = 0) -> str:
-    """SHA-256 of ``path``'s bytes from ``offset`` on, read in blocks (memory stays bounded)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def npy_data_offset(path: str | Path) -> int:

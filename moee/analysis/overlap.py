@@ -23,12 +23,13 @@ publishing k, the data or the Jaccard recipe. Our definitions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 from sklearn.cluster import KMeans
-from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score
+from sklearn.metrics import adjusted_mutual_info_score, mutual_info_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix, pair_confusion_matrix
 
 from moee.embed.methods import DEFAULT_SCORE
@@ -36,6 +37,8 @@ from moee.embed.methods import DEFAULT_SCORE
 __all__ = [
     "pair_jaccard",
     "matched_accuracy",
+    "matched_from_table",
+    "nmi_from_table",
     "partition_agreement",
     "chance_agreement",
     "kmeans_partition",
@@ -73,12 +76,48 @@ def pair_jaccard(labels_a, labels_b) -> float:
     return 1.0 if union == 0 else float(both) / union
 
 
+def matched_from_table(table: np.ndarray) -> float:
+    """Exact match under the optimal one-to-one (Hungarian) matching of a contingency table's rows
+    to its columns (0.0 for an empty table); streaming callers keep only the table."""
+    table = np.asarray(table)
+    total = table.sum()
+    if total <= 0:
+        return 0.0
+    rows, cols = linear_sum_assignment(table, maximize=True)
+    return float(table[rows, cols].sum()) / float(total)
+
+
+def _margin_entropy(margin: np.ndarray) -> float:
+    """scikit-learn's label entropy computed from the label counts (the same operations, so
+    ``nmi_from_table`` equals ``normalized_mutual_info_score`` bit for bit)."""
+    pi = margin[margin > 0]
+    if pi.size <= 1:
+        return 0.0
+    pi_sum = np.sum(pi)
+    return float(-np.sum((pi / pi_sum) * (np.log(pi) - math.log(pi_sum))))
+
+
+def nmi_from_table(table: np.ndarray) -> float:
+    """``normalized_mutual_info_score`` (arithmetic normalisation) of the labels whose contingency
+    table this is, from the table alone: memory O(table), not O(items). 0.0 for an empty table;
+    1.0 when both sides have a single label (scikit-learn's convention)."""
+    table = np.asarray(table, dtype=np.float64)
+    if table.sum() <= 0:
+        return 0.0
+    rows, cols = table.sum(1), table.sum(0)
+    if (rows > 0).sum() == 1 and (cols > 0).sum() == 1:
+        return 1.0
+    # without the empty rows and columns, as scikit-learn's own table of the labels has none
+    mi = float(mutual_info_score(None, None, contingency=table[rows > 0][:, cols > 0]))
+    if mi == 0:
+        return 0.0
+    return float(mi / ((_margin_entropy(rows) + _margin_entropy(cols)) / 2))
+
+
 def matched_accuracy(labels_a, labels_b) -> float:
     """Exact match after the optimal one-to-one (Hungarian) matching of A's clusters to B's."""
     a, b = _pair(labels_a, labels_b)
-    table = contingency_matrix(a, b)
-    rows, cols = linear_sum_assignment(table, maximize=True)
-    return float(table[rows, cols].sum()) / a.size
+    return matched_from_table(contingency_matrix(a, b))
 
 
 def partition_agreement(labels_a, labels_b) -> dict[str, float]:

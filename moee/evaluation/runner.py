@@ -27,7 +27,6 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -113,16 +112,11 @@ class EvalSettings:
 
 
 def package_versions() -> dict[str, str | None]:
-    """``moee.io.package_versions`` plus the libraries only evaluation numbers depend on."""
-    from moee.io import package_versions as core_versions
+    """``moee.provenance.package_versions`` plus the libraries only evaluation numbers depend on."""
+    from moee.provenance import CORE_PACKAGES
+    from moee.provenance import package_versions as versions
 
-    out = core_versions()
-    for name in EVAL_PACKAGES:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
+    return versions((*CORE_PACKAGES, *EVAL_PACKAGES))
 
 
 def resolve_tasks(spec: str | Sequence[str]) -> list[Any]:
@@ -427,8 +421,11 @@ def run_evaluation(
             timings[f"baseline/{task.metadata.name}"] = round(seconds, 2)
             log(f"[baseline] {task.metadata.name}: {seconds:.1f}s")
     total = time.perf_counter() - t0
+    from moee.provenance import CORE_PACKAGES, run_record
+
+    record = run_record(settings.command or " ".join(sys.argv), packages=(*CORE_PACKAGES, *EVAL_PACKAGES))
     run_info = {
-        "command": settings.command or " ".join(sys.argv),
+        "command": record["command"],
         "model": settings.model or "bundled default (moee/assets/default-model)",
         "model_name": model_name(embedder),
         "model_revision": revision,
@@ -441,7 +438,8 @@ def run_evaluation(
         "pooling": settings.pooling,
         "score": settings.score,
         "tasks": [t.metadata.name for t in tasks],
-        "versions": package_versions(),
+        "versions": record["versions"],
+        "git_revision": record["git_revision"],
         "seconds": round(total, 1),
         "cpu_seconds": round(time.process_time() - cpu0, 1),
         "load_average": _load_average(),

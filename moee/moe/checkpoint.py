@@ -49,11 +49,10 @@ class NonFiniteCheckpointError(FloatingPointError):
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """``moee.provenance.file_sha256`` (the one file hash of every record), under its old name."""
+    from moee.provenance import file_sha256
+
+    return file_sha256(path)
 
 
 def state_digest(state: dict) -> str:

@@ -1,0 +1,89 @@
+"""Expert-specialization report: what each router does, token by token, over a user's corpus.
+
+Token-level routes come from ``MoEEmbedder.iter_token_routes`` one text at a time and are folded
+into fixed-size accumulators (``SpecializationAccumulator``), so memory depends on the model
+(layers x experts), the vocabulary actually seen, a few top-context slots and a bounded sample of
+token routes for the baselines, never on the corpus length. Statistics, for MoE layer ``l``,
+expert ``E``, k = the model's top-k:
+
+* selection: the experts the router itself chose (its top-k indices, group limits and biases
+  included) wherever the capture returns them; otherwise re-derived as the top k of what the
+  router ranks: its softmax for plain top-k routers, its scores plus the selection-only bias for
+  loss-free / DeepSeek-V3-style routers (``selection_scorers``). The report says which
+  (``summary.selection``). The first choice is the selected expert with the highest score;
+* load ``N_k(E)``: tokens whose top-k contains E; importance: sum over tokens of E's dense router
+  probability (the softmax over all experts, i.e. Shazeer's ``G_sigma``, before top-k);
+  ``CV = std/mean`` with the population std (the convention of Shazeer et al. 2017, as in
+  ``moee.moe.losses``);
+  ``max/mean`` load, the mean being ``N * k / E``;
+* routing entropy: mean per-token entropy of the dense distribution (nats, and divided by log E);
+* top tokens/contexts per expert: the token ids E selects most often (``N_k(x, E)``) and the
+  contexts (a window of tokens around the position) with the highest router probability for E,
+  like the expert contexts of Shazeer et al. 2017 (Table 9, experts 381/752/2004);
+* domain specialization ``N_k(E, D) / N_D`` (fraction of domain D's tokens routed to E; OLMoE
+  paper, section 5), summarised per layer by ``max_E``;
+* vocabulary specialization ``N_k(x, E) / N_x`` for tokens x seen at least ``min_token_count`` times;
+  summarised per layer as the token-weighted mean of ``max_E N_k(x, E) / N_x``;
+* co-activation ``N(Ei, Ej) / N(Ei)``: of the tokens that selected Ei, the fraction also selecting Ej;
+* repetition: the rate at which consecutive tokens of a text keep the same first choice (Mixtral
+  paper, section 5);
+* layer-to-layer agreement between the first choices of adjacent MoE layers: NMI from the joint
+  counts and the exact match under the best one-to-one expert matching (expert ids of different
+  layers are unrelated, so raw id equality would be meaningless).
+
+Baselines (``SpecializationAccumulator.baselines``): each statistic recomputed with the routes
+shuffled against what it relates them to (tokens, domains, positions, the other layer), seeded.
+Closed forms such as ``k / E`` or ``1 / E`` are not baselines of these statistics: a maximum over
+experts of a few counts is far above ``k / E`` by chance alone, and a finite-sample NMI or
+best matching is above ``1 / E``.
+
+``build_report`` runs a model over a corpus and returns the JSON-ready dict; ``write_report``
+writes ``report.json`` plus a self-contained ``report.html`` (plots as base64 PNG).
+
+One module per stage: ``statistics`` (the streaming accumulator, the statistics and their
+permutation baselines), ``report`` (driving the model, assembling ``report.json``) and ``html``
+(rendering). The public names are re-exported here.
+"""
+
+from __future__ import annotations
+
+from moee.analysis.specialization.html import render_html
+from moee.analysis.specialization.report import (
+    REPORT_SECTIONS,
+    SELECTION_CAPTURE_DERIVED,
+    SELECTION_RETURNED,
+    TOP_K_ATTRIBUTES,
+    build_report,
+    model_top_k,
+    read_corpus,
+    selection_scorers,
+    write_report,
+)
+
+# the accumulator, and the helpers the tests check directly, importable from here as before the split
+from moee.analysis.specialization.statistics import (  # noqa: F401
+    BASELINE_SAMPLE_BYTES,
+    SpecializationAccumulator,
+    _cv,
+    _entropy,
+    _group_blocks,
+    _matched_from_table,
+    _nmi_from_table,
+    _permuted_group_max,
+    _random_table,
+)
+
+__all__ = [
+    "TOP_K_ATTRIBUTES",
+    "model_top_k",
+    "selection_scorers",
+    "read_corpus",
+    "SpecializationAccumulator",
+    "BASELINE_SAMPLE_BYTES",
+    "SELECTION_RETURNED",
+    "SELECTION_CAPTURE_DERIVED",
+    "build_report",
+    "render_html",
+    "write_report",
+    "REPORT_SECTIONS",
+]

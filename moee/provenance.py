@@ -1,0 +1,173 @@
+"""Run records: what every result file says about how it was made.
+
+One home for provenance, so every writer (embedding sidecars, analysis ``meta`` blocks, the
+evaluation's ``run`` block, benchmark results, the data builders' manifests) records the same
+things the same way: package versions (read from installed metadata, without importing the
+packages), the command line, the UTC time, the git revision of the checkout when there is one,
+the machine where a figure depends on it, and SHA-256 hashes of files.
+
+Writers keep their own key names where committed files already use them (``timestamp`` in
+``meta`` blocks, ``utc`` in benchmark results), so old and new files read alike.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from importlib import metadata as _metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CORE_PACKAGES",
+    "ALTERNATIVE_PACKAGES",
+    "package_versions",
+    "command_string",
+    "utc_timestamp",
+    "git_revision",
+    "machine_info",
+    "file_sha256",
+    "run_record",
+]
+
+#: The libraries that determine the numbers of any run.
+CORE_PACKAGES = ("moee", "torch", "transformers", "numpy", "mteb", "faiss-cpu", "faiss-gpu-cu12")
+#: Alternative wheels of one library: by default only the installed one is recorded.
+ALTERNATIVE_PACKAGES = ("faiss-cpu", "faiss-gpu-cu12")
+
+_HASH_BLOCK = 1 << 24  # bytes read at a time when hashing a file
+
+
+def package_versions(
+    packages: Sequence[str] = CORE_PACKAGES,
+    *,
+    missing: str | None = None,
+    omit_missing: Sequence[str] = ALTERNATIVE_PACKAGES,
+) -> dict[str, str | None]:
+    """``python`` plus each package's installed version, in the order given.
+
+    A package that is not installed is recorded as ``missing`` (``None`` by default), or left out
+    when it is in ``omit_missing``; ``moee`` run from a checkout that is not pip-installed is
+    recorded as its ``__version__``.
+    """
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in packages:
+        try:
+            out[dist] = _metadata.version(dist)
+        except _metadata.PackageNotFoundError:
+            if dist == "moee":
+                from moee import __version__
+
+                out[dist] = __version__
+            elif dist not in omit_missing:
+                out[dist] = missing
+    return out
+
+
+def command_string(command: str | Sequence[str] | None = None) -> str:
+    """The command line as one shell-quoted string (``sys.argv`` by default; a str is kept as is)."""
+    if isinstance(command, str):
+        return command
+    return shlex.join(list(sys.argv if command is None else command))
+
+
+def utc_timestamp(*, zulu: bool = False) -> str:
+    """The current UTC time to the second: ``2026-01-02T03:04:05+00:00`` (or ``...05Z``)."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ") if zulu else now.isoformat(timespec="seconds")
+
+
+@functools.lru_cache(maxsize=1)
+def git_revision() -> str | None:
+    """The commit of the moee checkout this code runs from (``+dirty`` when it has uncommitted
+    changes to tracked files), or ``None`` for an installed package or without git."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, core counts, threads torch uses, memory and GPU (if any): enough to compare runs."""
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        import psutil
+
+        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        info["memory_gb"] = None
+    import torch
+
+    info["torch_threads"] = torch.get_num_threads()
+    info["cuda"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def file_sha256(path: str | Path, *, offset: int = 0) -> str:
+    """SHA-256 of ``path``'s bytes from ``offset`` on, read in blocks (memory stays bounded)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def run_record(
+    command: str | Sequence[str] | None = None,
+    *,
+    packages: Sequence[str] = CORE_PACKAGES,
+    extra: dict[str, Any] | None = None,
+    machine: bool = False,
+    missing: str | None = None,
+    omit_missing: Sequence[str] = ALTERNATIVE_PACKAGES,
+) -> dict[str, Any]:
+    """``versions``, ``command``, ``timestamp`` (UTC), ``git_revision`` and, with ``machine=True``
+    (benchmarks, where the figures depend on it), ``machine``; then ``extra``."""
+    record: dict[str, Any] = {
+        "versions": package_versions(packages, missing=missing, omit_missing=omit_missing),
+        "command": command_string(command),
+        "timestamp": utc_timestamp(),
+        "git_revision": git_revision(),
+    }
+    if machine:
+        record["machine"] = machine_info()
+    return {**record, **(extra or {})}

@@ -1,0 +1,46 @@
+"""The one run record every result writer uses: keys, versions, command, hashes."""
+
+import hashlib
+import json
+import shlex
+import sys
+
+from moee import io, provenance
+from moee.benchmarking import write_result
+
+
+def test_run_record_has_the_keys_committed_meta_blocks_use():
+    rec = provenance.run_record(["moee", "report", "a b.txt"], extra={"corpus": "x"})
+    assert {"versions", "command", "timestamp", "git_revision", "corpus"} <= set(rec)
+    assert rec["command"] == "moee report 'a b.txt'"
+    assert rec["timestamp"].endswith("+00:00")
+    assert "machine" not in rec and "machine" in provenance.run_record([], machine=True)
+    assert provenance.run_record("already a string")["command"] == "already a string"
+    assert provenance.run_record()["command"] == shlex.join(sys.argv)
+
+
+def test_io_run_metadata_is_the_run_record():
+    assert io.run_metadata is not None and io.file_sha256 is provenance.file_sha256
+    assert set(io.run_metadata(["x"])) == set(provenance.run_record(["x"]))
+
+
+def test_package_versions_missing_and_omitted():
+    v = provenance.package_versions(("numpy", "no-such-dist-xyz", "faiss-gpu-cu12-missing"))
+    assert v["python"] and v["numpy"] and v["no-such-dist-xyz"] is None
+    v = provenance.package_versions(("no-such-dist-xyz",), missing="not installed", omit_missing=())
+    assert v["no-such-dist-xyz"] == "not installed"
+    assert "absent" not in provenance.package_versions(("absent",), omit_missing=("absent",))
+
+
+def test_file_sha256_matches_hashlib(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc" * 1000)
+    assert provenance.file_sha256(p) == hashlib.sha256(b"abc" * 1000).hexdigest()
+    assert provenance.file_sha256(p, offset=3) == hashlib.sha256(b"abc" * 999).hexdigest()
+
+
+def test_benchmark_results_keep_their_keys(tmp_path):
+    path = write_result("t", {"x": 1}, tmp_path)
+    record = json.loads(path.read_text())
+    assert list(record)[:6] == ["benchmark", "utc", "command", "env", "machine", "versions"]
+    assert record["utc"].endswith("Z") and "faiss-gpu-cu12" in record["versions"]
