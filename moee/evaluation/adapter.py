@@ -186,8 +186,8 @@ class MoEEMTEBEncoder(AbsEncoder):
     from ``moee.evaluation.alpha.choose_alpha``): the label-free weight is chosen per task from
     the task's own texts before evaluation, and ``"auto"`` (not the numbers) names the results.
     ``config`` (an :class:`moee.embed.config.EmbeddingConfig`) may replace the five configuration
-    keywords; vectors are always normalised. ``trace_cache`` (optional) shares forward passes between encoders of the same prompt;
-    ``revision`` (optional) skips hashing the weights again when the caller already has it.
+    keywords; vectors are always normalised. ``trace_cache`` (optional) shares forward passes
+    between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when the caller already has it.
     """
 
     def __init__(
