@@ -27,6 +27,7 @@ from moee.analysis.overlap import (
     partition_agreement,
     plot_overlap_sweep,
 )
+from moee.embed.methods import DEFAULT_SCORE
 
 # ---------------------------------------------------------------------- naive references
 
@@ -402,7 +403,7 @@ def test_overlap_for_texts_traces_once_and_sweeps():
     texts = tuple(f"t{i}" for i in range(len(gold)))
     out = overlap_for_texts(tracer, texts, [2, 3], labels=gold, prompt="prompteol", seed=2, chance_permutations=3, batch_size=7)  # fmt: skip
     assert tracer.calls == [
-        (list(texts), {"pooling": "last", "prompt": "prompteol", "score": "softmax", "batch_size": 7})
+        (list(texts), {"pooling": "last", "prompt": "prompteol", "score": DEFAULT_SCORE, "batch_size": 7})
     ]
     assert out["n_texts"] == 90 and out["prompt"] == "prompteol"
     assert (out["rw_dim"], out["hs_dim"], out["n_gold_classes"]) == (8, 10, 3)
@@ -412,7 +413,7 @@ def test_overlap_for_texts_traces_once_and_sweeps():
     assert out["sweep"][0]["rw_vs_hs_chance"] == pytest.approx(chance_agreement(gold, gold, seed=0))
     tracer = FakeTracer(rw, hs)
     overlap_for_texts(tracer, texts, [3])
-    assert tracer.calls[0][1] == {"pooling": "last", "prompt": None, "score": "softmax", "batch_size": 32}
+    assert tracer.calls[0][1] == {"pooling": "last", "prompt": None, "score": DEFAULT_SCORE, "batch_size": 32}
 
 
 def test_plot_overlap_sweep_draws_every_curve(tmp_path, monkeypatch):
