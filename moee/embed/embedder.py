@@ -60,11 +60,6 @@ __all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "m
 
 logger = logging.getLogger(__name__)
 
-#: The configuration keywords of ``MoEEmbedder.encode`` at their defaults (``EmbeddingConfig``'s).
-_ENCODE_DEFAULTS = {
-    k: getattr(EmbeddingConfig(), k) for k in ("method", "pooling", "prompt", "alpha", "score", "normalize")
-}
-
 #: The bundled default model (a separate issue trains and ships it).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
@@ -128,6 +123,12 @@ class TokenRoutes:
     probs: np.ndarray
     selection: np.ndarray | None = None
     selection_returned: list[bool] | None = None
+
+
+#: The configuration keywords of ``MoEEmbedder.encode`` at their defaults (``EmbeddingConfig``'s).
+_ENCODE_DEFAULTS = {
+    k: getattr(EmbeddingConfig(), k) for k in ("method", "pooling", "prompt", "alpha", "score", "normalize")
+}
 
 
 def _accepts(fn: Any, name: str) -> bool:

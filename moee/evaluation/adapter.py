@@ -222,16 +222,14 @@ class MoEEMTEBEncoder(AbsEncoder):
             if alpha_by_task:
                 raise ValueError("alpha_by_task is only used with alpha='auto'")
             self.alpha_by_task = {}
-        setting = (config.pooling, config.prompt, config.score)
+        pooling, prompt, score = config.pooling, config.prompt, config.score
         if trace_cache is not None and (
             trace_cache.embedder is not embedder
-            or (trace_cache.pooling, trace_cache.prompt, trace_cache.score) != setting
+            or (trace_cache.pooling, trace_cache.prompt, trace_cache.score) != (pooling, prompt, score)
         ):
             raise ValueError("trace_cache belongs to another embedder or (pooling, prompt, score) setting")
         if trace_cache is None and hasattr(embedder, "trace"):
-            trace_cache = TraceCache(
-                embedder, pooling=config.pooling, prompt=config.prompt, score=config.score
-            )
+            trace_cache = TraceCache(embedder, pooling=pooling, prompt=prompt, score=score)
         self.trace_cache = trace_cache
         self.mteb_model_meta = self._build_meta(model_name(embedder), revision or _weights_digest(embedder))
 
