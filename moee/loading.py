@@ -11,17 +11,144 @@ their module runs. ``next(model.parameters()).device`` is then often ``meta`` (o
 is not where the first layer runs), and a batch moved there cannot be used. The input embedding
 knows the right answer: its accelerate hook's ``execution_device`` is where token ids are looked
 up, which is where ``input_ids``/``attention_mask`` must go.
+
+:class:`LoadOptions` is the one set of loading options (device, dtype, device_map, 4-bit,
+remote code, pickle weights): :func:`add_loading_arguments` gives every command the same flags,
+:meth:`LoadOptions.from_args` reads them back, and ``MoEEmbedder.from_pretrained(name, options)``
+is the one loader they all reach.
 """
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where it is used, so the CLI parsers start without it
+    import torch
+    from torch import nn
 
-__all__ = ["input_device", "load_causal_lm"]
+__all__ = [
+    "DTYPES",
+    "LoadOptions",
+    "add_loading_arguments",
+    "four_bit_config",
+    "input_device",
+    "load_causal_lm",
+]
+
+#: Weight dtypes the CLI offers (``auto``: the checkpoint's own; none given: transformers' default).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model: where (``device`` or ``device_map``), in which ``dtype`` (a name of
+    :data:`DTYPES`), in 4-bit NF4, with the repository's own code, from pickle weights.
+
+    Frozen and checked on construction; :meth:`hf_kwargs` turns it into transformers keywords.
+    """
+
+    device: str | None = None
+    dtype: str | None = None
+    device_map: str | None = None
+    load_in_4bit: bool = False
+    trust_remote_code: bool = False
+    allow_pickle_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of: {', '.join(DTYPES)}")
+        if self.device is not None and self.device_map is not None:
+            raise ValueError("give either --device or --device-map, not both")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoadOptions:
+        """The options of :func:`add_loading_arguments` from parsed arguments."""
+        return cls(
+            device=args.device,
+            dtype=args.dtype,
+            device_map=args.device_map,
+            load_in_4bit=args.load_in_4bit,
+            trust_remote_code=args.trust_remote_code,
+            allow_pickle_weights=args.allow_bin,
+        )
+
+    def replace(self, **changes: Any) -> LoadOptions:
+        """A copy with ``changes`` (checked again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def torch_dtype(self) -> Any:
+        """``dtype`` as transformers' ``dtype=`` takes it (``"auto"``, a ``torch.dtype`` or ``None``)."""
+        if self.dtype is None or self.dtype == "auto":
+            return self.dtype
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """The keywords for ``from_pretrained`` besides the device: dtype, device_map, 4-bit config."""
+        kwargs: dict[str, Any] = {}
+        if self.dtype is not None:
+            kwargs["dtype"] = self.torch_dtype()
+        if self.device_map is not None:
+            kwargs["device_map"] = self.device_map
+        if self.load_in_4bit:
+            kwargs["quantization_config"] = four_bit_config()
+        return kwargs
+
+
+def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
+    """The model-loading flags of every command (read back with :meth:`LoadOptions.from_args`);
+    ``model=True`` also adds ``--model``."""
+    if model:
+        parser.add_argument(
+            "--model", default=None, help="model name or local path (default: the bundled default model)"
+        )
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default: the model's)")
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help="transformers device_map, e.g. auto: spread a large model over GPUs/CPU (instead of --device)",
+    )
+    parser.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'; needs a GPU), as in the paper",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow custom modeling code from the model repository (off by default: it runs arbitrary code)",
+    )
+    parser.add_argument(
+        "--allow-bin",
+        action="store_true",
+        help="also load pickled .bin weights (off by default: unpickling can run code; safetensors only)",
+    )
+
+
+def four_bit_config() -> Any:
+    """NF4 with double quantisation and bf16 compute (the official code's setting)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("--load-in-4bit needs bitsandbytes: pip install 'moee[quant]' (on a CUDA machine)")
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -68,6 +195,8 @@ def load_causal_lm(
 
 
 def _execution_device(module: nn.Module) -> torch.device | None:
+    import torch
+
     hook = getattr(module, "_hf_hook", None)
     # accelerate's AlignDevicesHook, possibly inside a SequentialHook
     for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
@@ -84,6 +213,9 @@ def input_device(model: nn.Module) -> torch.device:
     device of the input embedding's weight, else the model's own execution device, else the
     device of the first parameter that is not on ``meta``, else the CPU.
     """
+    import torch
+    from torch import nn
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     embed = None

@@ -231,29 +231,28 @@ def test_device_map_and_quantization_options(tmp_path, corpus, model_dir, embedd
 
 
 def test_search_reloads_the_model_in_the_recorded_dtype(tmp_path, corpus, model_dir, monkeypatch, capsys):
-    import moee.commands.embed as embed_command
-
     out = tmp_path / "e.npy"
     assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--dtype", "bfloat16"]) == 0
     meta = read_embeddings(out)[1]
     assert meta["model_dtype"] == "bfloat16" and meta["array_dtype"] == "float32"
     seen = []
-    real = embed_command.load_embedder
-    monkeypatch.setattr(
-        embed_command, "load_embedder", lambda *a, **kw: seen.append(kw["dtype"]) or real(*a, **kw)
-    )
+    real = MoEEmbedder.from_pretrained
+
+    def recording(name, options=None, **kw):
+        seen.append(options.dtype)
+        return real(name, options, **kw)
+
+    monkeypatch.setattr(MoEEmbedder, "from_pretrained", recording)
     argv = ["search", "--embeddings", str(out), "--texts", str(corpus), "--query", TEXTS[0], "-k", "1"]
     assert main(argv) == 0
     assert seen == ["bfloat16"]
 
 
 def test_bad_out_paths_are_refused_before_the_model_loads(tmp_path, corpus, model_dir, monkeypatch, capsys):
-    import moee.commands.embed as embed_command
-
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(embed_command, "load_embedder", no_loading)
+    monkeypatch.setattr(MoEEmbedder, "from_pretrained", no_loading)
     (tmp_path / "dir.npy").mkdir()
     (tmp_path / "plain").write_text("a file, not a directory")
     argv = ["embed", str(corpus), "--model", model_dir, "--out"]

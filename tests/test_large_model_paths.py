@@ -153,10 +153,10 @@ def test_four_bit_without_bitsandbytes_names_the_extra():
     not (torch.cuda.is_available() and _HAS_BNB), reason="4-bit loading needs CUDA and bitsandbytes"
 )
 def test_four_bit_loading_on_gpu(saved_model):
-    from moee.commands.embed import load_embedder
+    from moee.loading import LoadOptions
 
     path, expected = saved_model
-    embedder = load_embedder(str(path), device=None, dtype=None, trust_remote_code=False, load_in_4bit=True)
+    embedder = MoEEmbedder.from_pretrained(str(path), LoadOptions(load_in_4bit=True))
     names = {type(m).__name__ for m in embedder.model.modules()}
     assert "Linear4bit" in names
     out = embedder.encode(TEXTS)

@@ -47,10 +47,12 @@ from moee.capture.registry import (
     selection_bias,
     selection_scores,
 )
+from moee.embed.methods import POOLINGS as EMBEDDING_POOLINGS
 
 __all__ = ["RoutingRecorder", "POOLINGS", "SCORES", "DEFAULT_SCORE"]
 
-POOLINGS = ("last", "mean", "tokens")
+#: The embedding poolings plus ``"tokens"`` (every token kept, for token-level routes).
+POOLINGS = (*EMBEDDING_POOLINGS, "tokens")
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:

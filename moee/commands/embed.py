@@ -26,42 +26,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from moee.embed.config import EmbeddingConfig
 from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
-from moee.embed.prompts import PROMPT_NAMES, resolve_prompt
-from moee.embed.validation import check_alpha, check_positive_int
+from moee.embed.prompts import PROMPT_NAMES
+from moee.embed.validation import check_positive_int
 from moee.io import read_metadata, read_texts, run_metadata
+from moee.loading import DTYPES, LoadOptions, add_loading_arguments, four_bit_config  # noqa: F401 (re-exported)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CHUNK = 4096
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options that choose and place the model (shared with `moee search`)."""
-    parser.add_argument(
-        "--model", default=None, help="model name or local path (default: the bundled default model)"
-    )
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default: the model's)")
-    parser.add_argument(
-        "--device-map",
-        default=None,
-        help="transformers device_map, e.g. auto: spread a large model over GPUs/CPU (instead of --device)",
-    )
-    parser.add_argument(
-        "--load-in-4bit",
-        action="store_true",
-        help="4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'; needs a GPU), as in the paper",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow custom modeling code from the model repository (off by default: it runs arbitrary code)",
-    )
-    parser.add_argument(
-        "--allow-bin",
-        action="store_true",
-        help="also load pickled .bin weights (off by default: unpickling can run code; safetensors only)",
-    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -86,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="replace an existing --out .npy (without it an existing output is an error)",
     )
-    add_model_arguments(p)
+    add_loading_arguments(p)
     p.add_argument(
         "--method", choices=METHODS, default="moee_sum", help="embedding method (default: moee_sum)"
     )
@@ -138,72 +110,23 @@ def _prompt_arg(value: str) -> str | None:
     return None if value.lower() == "none" else value
 
 
-def parse_dtype(name: str | None) -> Any:
-    """CLI dtype name -> what transformers' ``dtype=`` accepts."""
-    if name is None or name == "auto":
-        return name
-    import torch
-
-    return getattr(torch, name)
-
-
-def load_embedder(
-    model: str | None,
-    *,
-    device: str | None,
-    dtype: str | None,
-    trust_remote_code: bool,
-    device_map: str | None = None,
-    load_in_4bit: bool = False,
-    allow_pickle_weights: bool = False,
-) -> Any:
-    """The one place the CLI loads a model; options pass through to transformers."""
+def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:
+    """The model of ``--model`` loaded with the options of ``add_loading_arguments`` (``changes``
+    override some of them, e.g. the device of a shard)."""
     from moee.embed.embedder import MoEEmbedder
 
-    hf_kwargs: dict[str, Any] = {}
-    if device_map is not None:
-        if device is not None:
-            raise ValueError("give either --device or --device-map, not both")
-        hf_kwargs["device_map"] = device_map
-    if load_in_4bit:
-        hf_kwargs["quantization_config"] = four_bit_config()
-    return MoEEmbedder.from_pretrained(
-        model,
-        device=device,
-        dtype=parse_dtype(dtype),
-        trust_remote_code=trust_remote_code,
-        allow_pickle_weights=allow_pickle_weights,
-        **hf_kwargs,
-    )
+    return MoEEmbedder.from_pretrained(args.model, LoadOptions.from_args(args).replace(**changes))
 
 
-def four_bit_config() -> Any:
-    """NF4 with double quantisation and bf16 compute (the official code's setting)."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError("--load-in-4bit needs bitsandbytes: pip install 'moee[quant]' (on a CUDA machine)")
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
-
-
-def load_from_args(args: argparse.Namespace, *, device: str | None = None, dtype: str | None = None) -> Any:
-    """``load_embedder`` with the model options of ``add_model_arguments``."""
-    return load_embedder(
-        args.model,
-        device=device if device is not None else args.device,
-        dtype=dtype if dtype is not None else args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        device_map=args.device_map,
-        load_in_4bit=args.load_in_4bit,
-        allow_pickle_weights=args.allow_bin,
+def embedding_config(args: argparse.Namespace) -> EmbeddingConfig:
+    """The embedding configuration of the command-line flags."""
+    return EmbeddingConfig(
+        method=args.method,
+        pooling=args.pooling,
+        prompt=args.prompt,
+        score=args.score,
+        alpha=args.alpha,
+        normalize=args.normalize,
     )
 
 
@@ -211,31 +134,17 @@ def embedding_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Everything that changes the numbers; recorded in sidecars and shard manifests."""
     return {
         "model": args.model,
-        "method": args.method,
-        "pooling": args.pooling,
-        "prompt": args.prompt,
-        "prompt_template": resolve_prompt(args.prompt),
-        "score": args.score,
-        "alpha": check_alpha(args.alpha),
-        "normalize": args.normalize,
+        **embedding_config(args).to_dict(),
         "model_dtype": args.dtype,  # the weights dtype; the array is always float32 (array_dtype)
         "load_in_4bit": args.load_in_4bit,
     }
 
 
-def make_encoder(embedder: Any, settings: dict[str, Any], batch_size: int):
-    """``texts -> float32 [n, dim]`` with the recorded settings (also used by `moee search`)."""
-    return partial(
-        embedder.encode,
-        method=settings["method"],
-        pooling=settings["pooling"],
-        prompt=settings["prompt"],
-        alpha=settings["alpha"],
-        score=settings["score"],
-        normalize=settings["normalize"],
-        batch_size=batch_size,
-        show_progress_bar=False,
-    )
+def make_encoder(embedder: Any, config: EmbeddingConfig | dict[str, Any], batch_size: int):
+    """``texts -> float32 [n, dim]`` with the recorded configuration (also used by `moee search`)."""
+    if not isinstance(config, EmbeddingConfig):
+        config = EmbeddingConfig.from_dict(config)
+    return partial(embedder.encode, config=config, batch_size=batch_size, show_progress_bar=False)
 
 
 def _log(msg: str) -> None:
@@ -249,9 +158,9 @@ class _CountingEncoder:
     count of later chunks would be lost; it is read from ``last_truncation`` after every call.
     """
 
-    def __init__(self, embedder: Any, settings: dict[str, Any], batch_size: int) -> None:
+    def __init__(self, embedder: Any, config: EmbeddingConfig, batch_size: int) -> None:
         self.embedder = embedder
-        self.encode = make_encoder(embedder, settings, batch_size)
+        self.encode = make_encoder(embedder, config, batch_size)
         self.truncated = 0
 
     def __call__(self, texts: list[str]) -> Any:
@@ -321,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("INPUT is required (or use --merge DIR)")
     batch_size = check_positive_int("--batch-size", args.batch_size)
     chunk_size = check_positive_int("--chunk-size", args.chunk_size)
+    config = embedding_config(args)
     settings = embedding_settings(args)
     texts = read_texts(args.input, field=args.field)  # checks the path and field eagerly
 
@@ -340,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             "field": args.field,
             **run_metadata(),
         }
-        encoder = _CountingEncoder(embedder, settings, batch_size)
+        encoder = _CountingEncoder(embedder, config, batch_size)
         out = shard.embed_stream(
             encoder,
             texts,
@@ -363,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = args.device or (None if args.device_map else shard.default_device(info))
         embedder = load_from_args(args, device=device)
-        encoder = _CountingEncoder(embedder, settings, batch_size)
+        encoder = _CountingEncoder(embedder, config, batch_size)
         facts = _run_facts(embedder, batch_size)
         written = shard.embed_shard(
             encoder,

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
+from moee.loading import LoadOptions, add_loading_arguments
 
 
 def _csv(value: str) -> list[str]:
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="HF id or local path (default: the bundled default model)")
+    add_loading_arguments(p)
     p.add_argument(
         "--methods",
         type=_csv,
@@ -84,7 +85,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="routing scores for RW: native (the architecture's own rule), softmax (the paper's), selection, logits",
     )
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--overwrite", action="store_true", help="recompute results already in the cache")
     p.add_argument(
         "--tables-only", action="store_true", help="only rebuild the tables from the cache under --out"
@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         overwrite=args.overwrite,
         command=command,
+        loading=LoadOptions.from_args(args),
     )
     try:
         summary = run_evaluation(settings)

@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", type=Path, default=Path("moee-quickstart"), help="output folder (default ./moee-quickstart)"
     )
-    p.add_argument("--model", default=None, help="HF id or local path (default: the bundled default model)")
-    p.add_argument("--device", default=None)
+    from moee.loading import add_loading_arguments
+
+    add_loading_arguments(p)
     p.add_argument("--no-baseline", action="store_true", help="skip all-MiniLM-L6-v2")
     p.set_defaults(func=run)
 
@@ -56,7 +57,8 @@ def sample_texts(per_task: int = SAMPLE_PER_TASK) -> list[dict[str, str]]:
 
 def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=print) -> dict[str, Path]:
     """Step 1: HS, RW, MoEE concat and MoEE sum of the sample, with PromptEOL (one forward pass)."""
-    from moee.embed.methods import DEFAULT_SCORE, METHODS
+    from moee.embed.config import EmbeddingConfig
+    from moee.embed.methods import METHODS, combine
     from moee.evaluation.adapter import TraceCache, model_identity
     from moee.io import run_metadata, write_embeddings, write_json_atomic
 
@@ -64,24 +66,22 @@ def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=p
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "texts.json", {"rows": rows})
     start = time.perf_counter()
-    hs, rw = TraceCache(embedder, prompt="prompteol", score=DEFAULT_SCORE).get(texts)
+    base = EmbeddingConfig(prompt="prompteol")
+    hs, rw = TraceCache(embedder, pooling=base.pooling, prompt=base.prompt, score=base.score).get(texts)
     log(
         f"embedded {len(texts)} texts in {time.perf_counter() - start:.1f}s (one forward pass for all methods)"
     )
-    from moee.embed.methods import combine
-
     name, revision = model_identity(embedder)
     paths = {}
     for method in METHODS:
-        vectors = combine(hs, rw, method, alpha=1.0)
+        config = base.replace(method=method)
+        vectors = combine(hs, rw, method, alpha=config.numeric_alpha(), normalize=config.normalize)
+        recorded = config.to_dict()
         meta = {
             "model": name,
             "revision": revision,
-            "method": method,
-            "prompt": "prompteol",
-            "pooling": "last",
-            "score": DEFAULT_SCORE,
-            "alpha": 1.0 if method == "moee_sum" else None,
+            **{key: recorded[key] for key in ("method", "prompt", "pooling", "score")},
+            "alpha": config.alpha if config.uses_alpha else None,
             "texts": "texts.json",
             **run_metadata(),
         }
@@ -123,12 +123,14 @@ def run(args: argparse.Namespace) -> int:
     from moee.embed.methods import METHODS
     from moee.evaluation.runner import EvalSettings, quiet_metric_warnings, run_evaluation
     from moee.evaluation.tasks import QUICK_TASK_NAMES
+    from moee.loading import LoadOptions
 
     quiet_metric_warnings()
     out: Path = args.out
     start = time.perf_counter()
     print(f"[1/4] loading {args.model or 'the bundled default model'} ...")
-    embedder = MoEEmbedder.from_pretrained(args.model, device=args.device)
+    loading = LoadOptions.from_args(args)
+    embedder = MoEEmbedder.from_pretrained(args.model, loading)
     print(
         f"      {embedder.name_or_path}: {embedder.n_moe_layers} MoE layers x {embedder.n_experts} experts, "
         f"hidden {embedder.hidden_size}"
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         baseline=not args.no_baseline,
         device=args.device,
         command="moee quickstart",
+        loading=loading,
     )
     summary = run_evaluation(settings, embedder=embedder, log=lambda m: print("      " + m))
     table = Path(summary["tables_md"]).read_text(encoding="utf-8")

@@ -24,7 +24,9 @@ def register(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="model name or path (default: the bundled model)")
+    from moee.loading import add_loading_arguments
+
+    add_loading_arguments(p)
     p.add_argument("--corpus", required=True, help=".txt (one text a line), .jsonl or .parquet file")
     p.add_argument("--field", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
     p.add_argument("--domain-field", default=None, help="field holding each text's domain label")
@@ -35,11 +37,6 @@ def register(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the permutation baselines (default: 0)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="torch dtype to load the model in, e.g. bfloat16")
-    p.add_argument(
-        "--trust-remote-code", action="store_true", help="allow custom model code (off by default)"
-    )
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run)
 
@@ -49,13 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from moee.analysis.specialization import build_report, read_corpus, write_report
     from moee.embed.embedder import MoEEmbedder
     from moee.io import run_metadata
+    from moee.loading import LoadOptions
 
     if args.max_texts is not None and args.max_texts < 1:
         raise ValueError(f"--max-texts must be >= 1, got {args.max_texts}")
     corpus = read_corpus(args.corpus, text_field=args.field, domain_field=args.domain_field)
-    embedder = MoEEmbedder.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code
-    )
+    embedder = MoEEmbedder.from_pretrained(args.model, LoadOptions.from_args(args))
     total = None
     if Path(args.corpus).suffix.lower() in (".txt", ".jsonl", ".ndjson"):  # one text a line: cheap to count
         with open(args.corpus, "rb") as fh:

@@ -19,10 +19,12 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from moee.commands.embed import add_model_arguments, load_from_args, make_encoder
+from moee.commands.embed import load_from_args, make_encoder
+from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
 from moee.index import KINDS, VectorIndex
 from moee.io import read_embeddings, read_texts
+from moee.loading import add_loading_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--index-device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--batch-size", type=int, default=32, help="query embedding batch size")
     p.add_argument("--json", action="store_true", help="print one JSON object per query")
-    add_model_arguments(p)
+    add_loading_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -127,12 +129,14 @@ def run(args: argparse.Namespace) -> int:
     missing = [key for key in ("method", "pooling", "score", "alpha") if settings[key] is None]
     if missing:
         raise ValueError(f"sidecar of {args.embeddings} lacks {', '.join(missing)}; re-run `moee embed`")
-    if settings["normalize"] is None:
-        settings["normalize"] = True
+    config = EmbeddingConfig.from_dict(settings)  # a sidecar without normalize: normalised
     args.model = args.model or _recorded_model(meta)
-    args.load_in_4bit = args.load_in_4bit or bool(meta.get("load_in_4bit"))
-    embedder = load_from_args(args, dtype=args.dtype or settings["model_dtype"])
-    encode = make_encoder(embedder, settings, check_positive_int("--batch-size", args.batch_size))
+    embedder = load_from_args(
+        args,
+        dtype=args.dtype or settings["model_dtype"],
+        load_in_4bit=args.load_in_4bit or bool(meta.get("load_in_4bit")),
+    )
+    encode = make_encoder(embedder, config, check_positive_int("--batch-size", args.batch_size))
     scores, ids = index.search(encode(queries), k)
 
     field = args.field if args.field is not None else meta.get("field")

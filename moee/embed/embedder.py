@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,9 +48,13 @@ from torch import nn
 
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import backbone, find_routers
-from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES, combine, output_dim
-from moee.embed.prompts import resolve_prompt, tokenize_prompts
-from moee.embed.validation import check_alpha, check_choice, check_positive_int, check_texts
+from moee.embed.config import EmbeddingConfig, check_trace_settings
+from moee.embed.methods import DEFAULT_SCORE, combine, method_spec, output_dim
+from moee.embed.prompts import tokenize_prompts
+from moee.embed.validation import check_alpha, check_positive_int, check_texts
+
+if TYPE_CHECKING:
+    from moee.loading import LoadOptions
 
 __all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
 
@@ -119,6 +123,12 @@ class TokenRoutes:
     probs: np.ndarray
     selection: np.ndarray | None = None
     selection_returned: list[bool] | None = None
+
+
+#: The configuration keywords of ``MoEEmbedder.encode`` at their defaults (``EmbeddingConfig``'s).
+_ENCODE_DEFAULTS = {
+    k: getattr(EmbeddingConfig(), k) for k in ("method", "pooling", "prompt", "alpha", "score", "normalize")
+}
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -191,6 +201,7 @@ class MoEEmbedder:
     def from_pretrained(
         cls,
         name_or_path: str | Path | None = None,
+        options: LoadOptions | None = None,
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
@@ -200,7 +211,11 @@ class MoEEmbedder:
     ) -> MoEEmbedder:
         """Load a causal LM and its tokenizer with transformers (``dtype``, ``device_map`` and any
         other keyword are passed through). ``None`` loads the bundled default model. Weights load
-        from safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`)."""
+        from safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`).
+
+        ``options`` (a :class:`moee.loading.LoadOptions`, what every CLI command passes) gives the
+        device, dtype, device_map, 4-bit, remote-code and pickle choices in one object; it cannot be
+        combined with those keywords."""
         from transformers import AutoTokenizer
 
         import moee.moe.lm  # noqa: F401  (registers model_type "moee_lm" with the Auto classes)
@@ -210,6 +225,16 @@ class MoEEmbedder:
 
         register_native_models()  # model types transformers lacks, e.g. DeepSeekMoE v1 ("deepseek")
 
+        if options is not None:
+            given = [k for k, v in (("device", device), ("dtype", dtype)) if v is not None]
+            given += ["trust_remote_code"] if trust_remote_code else []
+            given += ["allow_pickle_weights"] if allow_pickle_weights else []
+            given += [k for k in ("device_map", "quantization_config") if k in hf_kwargs]
+            if given:
+                raise TypeError(f"pass {', '.join(given)} inside options, not beside it")
+            device, trust_remote_code = options.device, options.trust_remote_code
+            allow_pickle_weights = options.allow_pickle_weights
+            hf_kwargs.update(options.hf_kwargs())
         if device is not None and "device_map" in hf_kwargs:
             raise ValueError("pass either device or device_map, not both")
         if name_or_path is None:
@@ -343,10 +368,8 @@ class MoEEmbedder:
     ) -> RoutingTrace:
         """Pooled routing weights and hidden states of ``texts`` (rows in input order)."""
         texts = check_texts(texts)
-        check_choice("pooling", pooling, POOLINGS)
-        check_choice("score", score, SCORES)
+        template = check_trace_settings(pooling, prompt, score)
         batch_size = check_positive_int("batch_size", batch_size)
-        template = resolve_prompt(prompt)
         n = len(texts)
         rw = np.zeros((n, self.n_moe_layers, self.n_experts), dtype=np.float32)
         hs = np.zeros((n, self.hidden_size), dtype=np.float32)
@@ -401,6 +424,7 @@ class MoEEmbedder:
         batch_size: int = 32,
         normalize: bool = True,
         show_progress_bar: bool | None = None,
+        config: EmbeddingConfig | None = None,
     ) -> np.ndarray:
         """Embed ``texts``: float32 ``[len(texts), dim]``, rows in input order.
 
@@ -409,22 +433,32 @@ class MoEEmbedder:
         scoring rule, which for softmax routers is the paper's dense softmax), ``softmax`` (the
         paper's formula for every architecture), ``selection`` or ``logits`` (see
         ``moee.embed.methods.SCORES``); ``prompt`` ``None``, ``"prompteol"``, a stability-prompt name
-        or a template with ``{text}``; ``alpha >= 0`` weighs RW in ``moee_sum``.
+        or a template with ``{text}``; ``alpha >= 0`` weighs RW in ``moee_sum``. Instead of these
+        keywords, ``config`` may give them as one :class:`moee.embed.config.EmbeddingConfig`.
         """
         texts = check_texts(texts)
-        check_choice("method", method, METHODS)
-        check_alpha(alpha)
+        given = dict(
+            method=method, pooling=pooling, prompt=prompt, alpha=alpha, score=score, normalize=normalize
+        )
+        if config is None:
+            method_spec(method)
+            check_alpha(alpha)  # a number here: "auto" only exists in the evaluation
+            config = EmbeddingConfig(**given)
+        elif given != _ENCODE_DEFAULTS:
+            changed = sorted(k for k, v in given.items() if _ENCODE_DEFAULTS[k] != v)
+            raise TypeError(f"pass {', '.join(changed)} inside config, not beside it")
+        alpha = config.numeric_alpha()
         trace = self.trace(
             texts,
-            pooling=pooling,
-            prompt=prompt,
-            score=score,
+            pooling=config.pooling,
+            prompt=config.prompt,
+            score=config.score,
             batch_size=batch_size,
             show_progress_bar=show_progress_bar,
         )
         if not texts:
-            return np.zeros((0, self.output_dim(method)), dtype=np.float32)
-        return combine(trace.hs, trace.rw, method, alpha=alpha, normalize=normalize)
+            return np.zeros((0, self.output_dim(config.method)), dtype=np.float32)
+        return combine(trace.hs, trace.rw, config.method, alpha=alpha, normalize=config.normalize)
 
     def iter_token_routes(
         self,
@@ -440,9 +474,8 @@ class MoEEmbedder:
         batch (``[batch, T, L, E]``) whatever the number of texts.
         """
         texts = check_texts(texts)
-        check_choice("score", score, SCORES)
+        template = check_trace_settings("last", prompt, score)
         batch_size = check_positive_int("batch_size", batch_size)
-        template = resolve_prompt(prompt)
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]
             with self._lock:

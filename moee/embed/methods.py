@@ -15,15 +15,23 @@ text's embedding depend on its neighbours; we replace that by per-text block sca
   classifier, clusterer or faiss index.
 
 ``normalize=True`` L2-normalises the final rows. A zero row stays zero (no NaN).
+
+Each method is one entry of :data:`METHOD_REGISTRY` (its width, whether it uses ``alpha``, its
+table label and its combine function); everything else (``combine``, ``output_dim``, the CLI
+choices, ``moee.embed.config.EmbeddingConfig``, the result tables) reads that entry.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from moee.embed.validation import check_alpha, check_choice
 
-METHODS = ("hs", "rw", "moee_concat", "moee_sum")
+#: Poolings of a text's tokens into one HS / RW row (``moee.capture.recorder`` adds ``"tokens"``,
+#: which keeps every token and is not an embedding).
 POOLINGS = ("last", "mean")
 #: How router logits become RW (see ``moee.capture.registry``): ``native`` is the architecture's own
 #: scoring rule over all experts (softmax for softmax routers such as OLMoE, Qwen-MoE and Mixtral;
@@ -59,6 +67,51 @@ def _as_matrix(name: str, x: np.ndarray | None, ndim: tuple[int, ...]) -> np.nda
     return arr
 
 
+def _moee_concat(h: np.ndarray, r: np.ndarray, alpha: float) -> np.ndarray:
+    return np.concatenate([np.sqrt(h.shape[1]) * _unit_rows(h), np.sqrt(r.shape[1]) * _unit_rows(r)], axis=1)
+
+
+def _moee_sum(h: np.ndarray, r: np.ndarray, alpha: float) -> np.ndarray:
+    return np.concatenate([_unit_rows(h), np.sqrt(alpha) * _unit_rows(r)], axis=1) / np.sqrt(1.0 + alpha)
+
+
+@dataclass(frozen=True)
+class Method:
+    """Everything moee knows about one embedding method, so that adding one is one registry entry.
+
+    ``width(d_h, d_r)`` is the vector width for hidden size ``d_h`` and ``d_r = layers * experts``;
+    ``combine(h, r, alpha)`` maps float64 ``[n, d_h]`` / ``[n, d_r]`` rows (``None`` for an input
+    the method does not use) to ``[n, width]``; ``uses_alpha`` says whether ``alpha`` changes the
+    vectors (only then is it recorded in result folders and labels).
+    """
+
+    name: str
+    label: str
+    width: Callable[[int, int], int]
+    combine: Callable[[np.ndarray | None, np.ndarray | None, float], np.ndarray]
+    uses_hs: bool = True
+    uses_rw: bool = True
+    uses_alpha: bool = False
+
+
+#: The embedding methods, in the order of tables and ``METHODS``.
+METHOD_REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("hs", "HS", lambda d_h, d_r: d_h, lambda h, r, alpha: h, uses_rw=False),
+        Method("rw", "RW", lambda d_h, d_r: d_r, lambda h, r, alpha: r, uses_hs=False),
+        Method("moee_concat", "MoEE concat", lambda d_h, d_r: d_h + d_r, _moee_concat),
+        Method("moee_sum", "MoEE sum", lambda d_h, d_r: d_h + d_r, _moee_sum, uses_alpha=True),
+    )
+}
+METHODS = tuple(METHOD_REGISTRY)
+
+
+def method_spec(method: str) -> Method:
+    """The registry entry of ``method`` (``ValueError`` listing the methods if unknown)."""
+    return METHOD_REGISTRY[check_choice("method", method, METHODS)]
+
+
 def combine(
     hs: np.ndarray | None,
     rw: np.ndarray | None,
@@ -72,23 +125,14 @@ def combine(
     method (``rw`` for ``hs``, ``hs`` for ``rw``) may be ``None``. Arithmetic is float64,
     the result float32 ``[n, dim]``.
     """
-    check_choice("method", method, METHODS)
+    spec = method_spec(method)
     alpha = check_alpha(alpha)
-    h = _as_matrix("hs", hs, (2,)) if method != "rw" else None
-    r = _as_matrix("rw", rw, (2, 3)) if method != "hs" else None
+    h = _as_matrix("hs", hs, (2,)) if spec.uses_hs else None
+    r = _as_matrix("rw", rw, (2, 3)) if spec.uses_rw else None
     if h is not None and r is not None and h.shape[0] != r.shape[0]:
         raise ValueError(f"hs and rw disagree on the number of rows: {h.shape[0]} vs {r.shape[0]}")
 
-    if method == "hs":
-        out = h
-    elif method == "rw":
-        out = r
-    elif method == "moee_concat":
-        out = np.concatenate(
-            [np.sqrt(h.shape[1]) * _unit_rows(h), np.sqrt(r.shape[1]) * _unit_rows(r)], axis=1
-        )
-    else:  # moee_sum
-        out = np.concatenate([_unit_rows(h), np.sqrt(alpha) * _unit_rows(r)], axis=1) / np.sqrt(1.0 + alpha)
+    out = spec.combine(h, r, alpha)
     if normalize:
         out = _unit_rows(out)
     return np.ascontiguousarray(out, dtype=np.float32)
@@ -96,8 +140,4 @@ def combine(
 
 def output_dim(method: str, hidden_size: int, n_layers: int, n_experts: int) -> int:
     """Width of ``method``'s vectors, e.g. to pre-allocate or to report in a sidecar."""
-    check_choice("method", method, METHODS)
-    d_r = n_layers * n_experts
-    return {"hs": hidden_size, "rw": d_r, "moee_concat": hidden_size + d_r, "moee_sum": hidden_size + d_r}[
-        method
-    ]
+    return method_spec(method).width(hidden_size, n_layers * n_experts)

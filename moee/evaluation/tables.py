@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moee.embed.methods import DEFAULT_SCORE, METHODS
+from moee.embed.config import config_label
+from moee.embed.methods import METHOD_REGISTRY, METHODS
 from moee.evaluation.paper import FAMILIES, paper_model_key, paper_scores, task_family
 
 #: Column headers of the family table (the paper's abbreviations).
@@ -48,7 +49,8 @@ FAMILY_SCORE_KEYS: dict[str, tuple[str, ...]] = {"PairClassification": ("similar
 #: Extra scores shown beside a family's score (labelled, never averaged).
 FAMILY_SIDE_SCORES: dict[str, tuple[str, ...]] = {"PairClassification": ("max_ap",)}
 
-METHOD_LABELS: dict[str, str] = {"hs": "HS", "rw": "RW", "moee_concat": "MoEE concat", "moee_sum": "MoEE sum"}
+#: Table label of each method (from ``moee.embed.methods.METHOD_REGISTRY``).
+METHOD_LABELS: dict[str, str] = {name: m.label for name, m in METHOD_REGISTRY.items()}
 
 
 @dataclass(frozen=True)
@@ -82,21 +84,9 @@ class System:
 
     def label(self) -> str:
         """A short human label, e.g. ``MoEE sum + PromptEOL (alpha=auto)`` or the baseline name."""
-        s = self.settings
         if not self.is_moee:
             return self.model.split("/")[-1]
-        text = METHOD_LABELS.get(s["method"], s["method"])
-        prompt = s.get("prompt", "none")
-        if prompt != "none":
-            text += " + PromptEOL" if prompt == "prompteol" else f" + prompt {prompt}"
-        extras = []
-        if s["method"] == "moee_sum":
-            extras.append(f"alpha={s.get('alpha')}")
-        if s.get("pooling", "last") != "last":
-            extras.append(f"pooling={s['pooling']}")
-        if s.get("score", DEFAULT_SCORE) != DEFAULT_SCORE:
-            extras.append(f"score={s['score']}")
-        return text + (f" ({', '.join(extras)})" if extras else "")
+        return config_label(self.settings)
 
 
 @dataclass
