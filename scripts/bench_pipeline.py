@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     naive = NaivePipeline(ours.model, _fresh_tokenizer(path), max_length)
 
     variants = {
-        "ours_moee_sum": lambda: ours.encode(texts, batch_size=bs, show_progress_bar=False),
+        # score="softmax": the naive recipe takes the softmax of output_router_logits, so both sides
+        # compute the same vectors for every router (the default, the router's own rule, differs for
+        # sigmoid routers such as the bundled one's)
+        "ours_moee_sum": lambda: ours.encode(texts, score="softmax", batch_size=bs, show_progress_bar=False),
         "naive_moee_sum": lambda: naive.encode(texts, bs),
         "ours_hs": lambda: ours.encode(texts, method="hs", batch_size=bs, show_progress_bar=False),
     }
