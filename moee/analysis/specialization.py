@@ -68,15 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Config attributes that hold the number of experts each token is routed to, in lookup order.
-TOP_K_ATTRIBUTES = (
-    "num_experts_per_tok",  # Mixtral, OLMoE, Qwen-MoE, DeepSeek, gpt-oss, our MoEEConfig
-    "moe_top_k",
-    "top_k",
-    "num_selected_experts",
-    "router_top_k",
-    "experts_per_token",
-    "moe_k",
-)
+from moee.capture.architectures import TOP_K_KEYS as TOP_K_ATTRIBUTES  # noqa: E402
 
 #: Every top-level section of the report JSON (and of the HTML page).
 REPORT_SECTIONS = (
