@@ -19,7 +19,7 @@ tests_for() {
     moee/moe/losses.py) echo "tests/test_moe_losses.py tests/test_moe_gates.py" ;;
     moee/moe/switch.py) echo "tests/test_moe_switch.py" ;;
     moee/moe/layer.py) echo "tests/test_moe_layer.py" ;;
-    moee/embed/methods.py) echo "tests/test_methods.py" ;;
+    moee/embed/methods.py) echo "tests/test_embed_methods.py" ;;
     moee/capture/recorder.py) echo "tests/test_capture_recorder.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
     moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;

@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from moee.capture.architectures import ARCHITECTURES  # noqa: E402
 from moee.capture.oracle import check_architecture  # noqa: E402
 from moee.capture.registry import (  # noqa: E402
     DEFAULT_SCORE,
@@ -27,23 +28,7 @@ from moee.capture.registry import (  # noqa: E402
     supported_architectures,
 )
 
-NOTES = {
-    "jetmoe": "attention routers (mixture of attention heads) found too; excluded from RW by default",
-    "deepseek_v4": "hash-routed layers (token-id table) excluded by default; sqrt-softplus scores",
-    "zaya": "9 columns per layer: 8 experts + the skip expert the router can choose",
-    "gemma4_text": "router outputs probabilities; logits read from its `proj` Linear",
-    "inkling_text": "routed experts only (the shared experts' gate columns are not routing)",
-    "longcat_flash": "includes zero (identity) experts when configured",
-    "moee_lm": "this project's own MoE LM (`moee.moe.lm`), no special case",
-    "deepseek": (
-        "DeepSeekMoE v1 (deepseek-moe-16b), native in `moee.models.deepseek_v1` (no remote code; "
-        "checked against the original code by `scripts/compare_deepseek_v1.sh`); shared experts are not routers"
-    ),
-    "llama4_text": "sigmoid of the top-k logits; dense form: sigmoid of all logits",
-    "phimoe": "native = dense first stage of sparsemixer",
-    "dbrx": "router returns logits only; its block takes the top-k of the softmax",
-    "kolibri1": "the correction bias is added to the logits (not the sigmoid) for the selection",
-}
+NOTES = {name: arch.notes for name, arch in ARCHITECTURES.items() if arch.notes}
 
 
 README_START, README_END = "<!-- support-table:start -->", "<!-- support-table:end -->"

@@ -24,8 +24,9 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
+    from moee.capture.tiny import tiny_model
     from moee.embed.embedder import MoEEmbedder
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
@@ -37,23 +38,16 @@ def tiny(tmp_path_factory):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]"
     )
-    config = AutoConfig.for_model(
+    model = tiny_model(
         "olmoe",
+        n_layers=3,
         vocab_size=fast.vocab_size,
         hidden_size=32,
         intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=4,
-        num_experts=8,
-        num_experts_per_tok=2,
         max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=2,
         eos_token_id=2,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
     path = tmp_path_factory.mktemp("tiny-olmoe")
     model.save_pretrained(path)
     fast.save_pretrained(path)

@@ -15,11 +15,6 @@ from moee.capture.registry import RouterSpec, apply_score, selection_bias
 from moee.capture.tiny import tiny_model
 
 
-@pytest.fixture(scope="module")
-def olmoe():
-    return tiny_model("olmoe", n_layers=2)
-
-
 def _hook_count(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) for m in model.modules())
 
@@ -31,16 +26,16 @@ def _run(model, batch, **kwargs):
         return rec
 
 
-def test_hooks_removed_after_normal_exit(olmoe):
-    before = _hook_count(olmoe)
-    rec = _run(olmoe, padded_batch([4, 2], 100, "left"))
-    assert not rec.active and _hook_count(olmoe) == before
+def test_hooks_removed_after_normal_exit(tiny_olmoe):
+    before = _hook_count(tiny_olmoe)
+    rec = _run(tiny_olmoe, padded_batch([4, 2], 100, "left"))
+    assert not rec.active and _hook_count(tiny_olmoe) == before
     assert rec.pooled_rw().shape == (2, 2, 8)
 
 
-def test_hooks_removed_when_forward_raises(olmoe):
-    before = _hook_count(olmoe)
-    router = find_routers(olmoe)[1].module
+def test_hooks_removed_when_forward_raises(tiny_olmoe):
+    before = _hook_count(tiny_olmoe)
+    router = find_routers(tiny_olmoe)[1].module
 
     def boom(*_):
         raise RuntimeError("boom inside the forward")
@@ -48,51 +43,51 @@ def test_hooks_removed_when_forward_raises(olmoe):
     handle = router.register_forward_hook(boom)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            with RoutingRecorder(olmoe) as rec, torch.no_grad():
-                assert _hook_count(olmoe) > before + 1
+            with RoutingRecorder(tiny_olmoe) as rec, torch.no_grad():
+                assert _hook_count(tiny_olmoe) > before + 1
                 batch = padded_batch([3], 100, "left")
                 rec.set_batch(batch["attention_mask"])
-                olmoe(**batch)
+                tiny_olmoe(**batch)
     finally:
         handle.remove()
-    assert _hook_count(olmoe) == before
+    assert _hook_count(tiny_olmoe) == before
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_left_and_right_padding_agree(olmoe, pooling):
+def test_left_and_right_padding_agree(tiny_olmoe, pooling):
     lengths = [6, 2, 4]
-    left = _run(olmoe, padded_batch(lengths, 100, "left", seed=3), pooling=pooling)
-    right = _run(olmoe, padded_batch(lengths, 100, "right", seed=3), pooling=pooling)
+    left = _run(tiny_olmoe, padded_batch(lengths, 100, "left", seed=3), pooling=pooling)
+    right = _run(tiny_olmoe, padded_batch(lengths, 100, "right", seed=3), pooling=pooling)
     assert torch.allclose(left.pooled_rw(), right.pooled_rw(), atol=1e-5)
     assert torch.allclose(left.pooled_hs(), right.pooled_hs(), atol=1e-5)
 
 
-def test_tokens_pooling_agrees_with_last_and_mean(olmoe):
+def test_tokens_pooling_agrees_with_last_and_mean(tiny_olmoe):
     batch = padded_batch([5, 3], 100, "left", seed=1)
-    tokens = _run(olmoe, batch, pooling="tokens").token_rw()  # [B, T, L, E]
-    last = _run(olmoe, batch, pooling="last").pooled_rw()
-    mean = _run(olmoe, batch, pooling="mean").pooled_rw()
+    tokens = _run(tiny_olmoe, batch, pooling="tokens").token_rw()  # [B, T, L, E]
+    last = _run(tiny_olmoe, batch, pooling="last").pooled_rw()
+    mean = _run(tiny_olmoe, batch, pooling="mean").pooled_rw()
     assert tokens.shape == (2, 5, 2, 8)
     assert torch.allclose(tokens[:, -1], last, atol=1e-6)  # left padding: last real token is the last column
     assert torch.allclose(tokens[1, 2:].mean(dim=0), mean[1], atol=1e-6)
     assert torch.allclose(tokens[0].mean(dim=0), mean[0], atol=1e-6)
 
 
-def test_scores(olmoe):
+def test_scores(tiny_olmoe):
     batch = padded_batch([4, 6], 100, "left", seed=2)
-    logits = _run(olmoe, batch, score="logits").pooled_rw()
-    soft = _run(olmoe, batch, score="softmax").pooled_rw()
-    native = _run(olmoe, batch, score="native").pooled_rw()
+    logits = _run(tiny_olmoe, batch, score="logits").pooled_rw()
+    soft = _run(tiny_olmoe, batch, score="softmax").pooled_rw()
+    native = _run(tiny_olmoe, batch, score="native").pooled_rw()
     assert torch.allclose(torch.softmax(logits, dim=-1), soft, atol=1e-6)
     assert torch.allclose(soft, native)  # OLMoE's native rule is softmax
     assert torch.allclose(soft.sum(-1), torch.ones(2, 2), atol=1e-5)
 
 
-def test_hidden_state_is_the_final_norm_output(olmoe):
+def test_hidden_state_is_the_final_norm_output(tiny_olmoe):
     batch = padded_batch([5, 3], 100, "right", seed=4)
-    rec = _run(olmoe, batch, hs_layers=True)
+    rec = _run(tiny_olmoe, batch, hs_layers=True)
     with torch.no_grad():
-        out = olmoe(**batch, output_hidden_states=True, use_cache=False)
+        out = tiny_olmoe(**batch, output_hidden_states=True, use_cache=False)
     last = torch.stack([out.hidden_states[-1][0, 4], out.hidden_states[-1][1, 2]])
     assert torch.allclose(rec.pooled_hs(), last, atol=1e-6)
     per_layer = rec.pooled_hs_all_layers()
@@ -102,10 +97,10 @@ def test_hidden_state_is_the_final_norm_output(olmoe):
     assert torch.allclose(per_layer[:, 0], layer0, atol=1e-6)
 
 
-def test_kept_memory_does_not_grow_with_length(olmoe):
+def test_kept_memory_does_not_grow_with_length(tiny_olmoe):
     sizes = []
     for length in (8, 64, 256):
-        rec = _run(olmoe, padded_batch([length, length // 2], 100, "left"), hs_layers=True)
+        rec = _run(tiny_olmoe, padded_batch([length, length // 2], 100, "left"), hs_layers=True)
         sizes.append(rec.kept_bytes())
     assert sizes[0] == sizes[1] == sizes[2] == 4 * 2 * (2 * 8 + 64 + 2 * 64)
 
@@ -114,13 +109,13 @@ def _exact(message: str) -> str:
     return "^" + re.escape(message) + "$"
 
 
-def test_set_batch_is_required_and_validated(olmoe):
-    with RoutingRecorder(olmoe) as rec:
+def test_set_batch_is_required_and_validated(tiny_olmoe):
+    with RoutingRecorder(tiny_olmoe) as rec:
         with pytest.raises(
             RuntimeError, match=_exact("call recorder.set_batch(attention_mask) before the forward pass")
         ):
             with torch.no_grad():
-                olmoe(torch.randint(4, 100, (1, 3)))
+                tiny_olmoe(torch.randint(4, 100, (1, 3)))
         with pytest.raises(
             ValueError,
             match=_exact("every sequence needs at least one real token (attention_mask row of zeros)"),
@@ -131,13 +126,13 @@ def test_set_batch_is_required_and_validated(olmoe):
     with pytest.raises(
         ValueError, match=_exact("unknown pooling 'max'; expected one of: last, mean, tokens")
     ):
-        RoutingRecorder(olmoe, pooling="max")
+        RoutingRecorder(tiny_olmoe, pooling="max")
     with pytest.raises(
         ValueError, match=_exact("unknown score 'probs'; expected one of: native, softmax, selection, logits")
     ):
-        RoutingRecorder(olmoe, score="probs")
+        RoutingRecorder(tiny_olmoe, score="probs")
     with pytest.raises(ValueError, match=_exact("no MoE router found in OlmoeForCausalLM")):
-        RoutingRecorder(olmoe, routers=[])
+        RoutingRecorder(tiny_olmoe, routers=[])
     flat = nn.ModuleDict({"moe": _CustomMoE()})  # a router but no decoder-layer stack
     with pytest.raises(
         ValueError, match=_exact("cannot find the decoder layers of ModuleDict for hs_layers=True")
@@ -145,10 +140,10 @@ def test_set_batch_is_required_and_validated(olmoe):
         RoutingRecorder(flat, routers=find_routers_by_pattern(flat), hs_layers=True)
 
 
-def test_results_before_forward_raise(olmoe):
-    with RoutingRecorder(olmoe) as rec:
+def test_results_before_forward_raise(tiny_olmoe):
+    with RoutingRecorder(tiny_olmoe) as rec:
         rec.set_batch(torch.ones(1, 2, dtype=torch.long))
-        names = [r.name for r in find_routers(olmoe)]
+        names = [r.name for r in find_routers(tiny_olmoe)]
         with pytest.raises(
             RuntimeError,
             match=_exact(
@@ -168,31 +163,31 @@ def test_results_before_forward_raise(olmoe):
             RuntimeError, match=_exact("pooled_hs_all_layers() needs RoutingRecorder(..., hs_layers=True)")
         ):
             rec.pooled_hs_all_layers()
-    with RoutingRecorder(olmoe, hs_layers=True) as rec:
+    with RoutingRecorder(tiny_olmoe, hs_layers=True) as rec:
         rec.set_batch(torch.ones(1, 2, dtype=torch.long))
         with pytest.raises(
             RuntimeError,
             match=_exact("no per-layer hidden states recorded: run the forward pass inside the `with` block"),
         ):
             rec.pooled_hs_all_layers()
-    rec = _run(olmoe, padded_batch([3], 100, "left"), pooling="tokens")
+    rec = _run(tiny_olmoe, padded_batch([3], 100, "left"), pooling="tokens")
     with pytest.raises(RuntimeError, match=_exact('pooling="tokens" records token routes; use token_rw()')):
         rec.pooled_rw()
 
 
-def test_recorder_attributes_and_given_routers(olmoe):
-    routers = find_routers(olmoe)
-    rec = RoutingRecorder(olmoe, routers[1:])
-    assert rec.model is olmoe and rec.layers == [routers[1].name] and rec.score == DEFAULT_SCORE
+def test_recorder_attributes_and_given_routers(tiny_olmoe):
+    routers = find_routers(tiny_olmoe)
+    rec = RoutingRecorder(tiny_olmoe, routers[1:])
+    assert rec.model is tiny_olmoe and rec.layers == [routers[1].name] and rec.score == DEFAULT_SCORE
     assert not rec.hs_layers
-    before = _hook_count(olmoe)
+    before = _hook_count(tiny_olmoe)
     with rec:
         assert (
-            _hook_count(olmoe) == before + 2
+            _hook_count(tiny_olmoe) == before + 2
         )  # one router + the final hidden state; no layer hooks by default
         rec.set_batch(torch.ones(2, 3, dtype=torch.long))
         with torch.no_grad():
-            olmoe(torch.randint(4, 100, (2, 3)), use_cache=False)
+            tiny_olmoe(torch.randint(4, 100, (2, 3)), use_cache=False)
     assert rec.pooled_rw().shape == (2, 1, 8)
     assert rec.kept_bytes() == 4 * 2 * (8 + 64)
 
@@ -309,16 +304,16 @@ def test_pattern_fallback_accepts_fused_3d_expert_weights():
 
 
 # ------------------------------------------------------------------ the router's own selection
-def test_token_selection_is_the_routers_own_choice(olmoe):
+def test_token_selection_is_the_routers_own_choice(tiny_olmoe):
     batch = padded_batch([5, 3], 100, "left", seed=6)
     seen = {}
-    routers = find_routers(olmoe)
+    routers = find_routers(tiny_olmoe)
     handles = [
         r.router.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[2]))
         for i, r in enumerate(routers)
     ]
     try:
-        rec = _run(olmoe, batch, pooling="tokens")
+        rec = _run(tiny_olmoe, batch, pooling="tokens")
     finally:
         for handle in handles:
             handle.remove()
@@ -335,8 +330,8 @@ def test_token_selection_is_the_routers_own_choice(olmoe):
     assert torch.equal(derived.sort(-1).values[real], selection.sort(-1).values[real])
 
 
-def test_token_selection_needs_tokens_pooling(olmoe):
-    rec = _run(olmoe, padded_batch([3], 100, "left"))
+def test_token_selection_needs_tokens_pooling(tiny_olmoe):
+    rec = _run(tiny_olmoe, padded_batch([3], 100, "left"))
     with pytest.raises(RuntimeError, match=_exact('token_selection() needs pooling="tokens"')):
         rec.token_selection()
 
@@ -526,8 +521,8 @@ def test_projection_finds_the_routers_own_weight_and_bias():
         _projection(two, 4)
 
 
-def test_wrong_shapes_are_named(olmoe):
-    rec = RoutingRecorder(olmoe)
+def test_wrong_shapes_are_named(tiny_olmoe):
+    rec = RoutingRecorder(tiny_olmoe)
     rec.set_batch(torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(
         RuntimeError, match=_exact("what: got a tensor of shape (5, 8) for a batch of 2x3 tokens")

@@ -7,7 +7,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moee.capture.tiny import tiny_model, tiny_tokenizer
 from moee.cli import main
 from moee.embed.embedder import MoEEmbedder
 from moee.embed.methods import DEFAULT_SCORE
@@ -24,21 +23,9 @@ TEXTS = [
 ]
 
 
-def save_tiny_olmoe(path):
-    """A tiny random OLMoE + word-level tokenizer saved like a hub checkpoint."""
-    tiny_model("olmoe", n_layers=2).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(save_tiny_olmoe(tmp_path_factory.mktemp("tiny-olmoe")))
-
-
-@pytest.fixture(scope="module")
-def embedder(model_dir):
-    return MoEEmbedder.from_pretrained(model_dir, device="cpu")
+def embedder(tiny_model_dir):
+    return MoEEmbedder.from_pretrained(tiny_model_dir, device="cpu")
 
 
 @pytest.fixture()
@@ -48,15 +35,15 @@ def corpus(tmp_path):
     return path
 
 
-def test_embed_txt_matches_python_api(tmp_path, corpus, model_dir, embedder):
+def test_embed_txt_matches_python_api(tmp_path, corpus, tiny_model_dir, embedder):
     out = tmp_path / "e.npy"
-    argv = ["embed", str(corpus), "--model", model_dir, "--out", str(out), "--prompt", "prompteol"]
+    argv = ["embed", str(corpus), "--model", tiny_model_dir, "--out", str(out), "--prompt", "prompteol"]
     assert main([*argv, "--alpha", "0.5", "--device", "cpu", "--chunk-size", "3", "--batch-size", "2"]) == 0
     arr, meta = read_embeddings(out)
     expected = embedder.encode(TEXTS, prompt="prompteol", alpha=0.5)
     assert arr.shape == expected.shape == (len(TEXTS), 64 + 2 * 8)
     np.testing.assert_allclose(arr, expected, atol=1e-5)
-    assert meta["model"] == model_dir and meta["method"] == "moee_sum" and meta["pooling"] == "last"
+    assert meta["model"] == tiny_model_dir and meta["method"] == "moee_sum" and meta["pooling"] == "last"
     assert meta["prompt"] == "prompteol" and meta["prompt_template"].startswith("This sentence :")
     assert meta["score"] == DEFAULT_SCORE and meta["alpha"] == 0.5 and meta["normalize"] is True
     assert meta["array_dtype"] == "float32" and meta["shape"] == [len(TEXTS), 80]
@@ -65,7 +52,7 @@ def test_embed_txt_matches_python_api(tmp_path, corpus, model_dir, embedder):
 
 
 @pytest.mark.parametrize("method", ["hs", "rw", "moee_concat"])
-def test_embed_methods_and_jsonl_field(tmp_path, model_dir, embedder, method):
+def test_embed_methods_and_jsonl_field(tmp_path, tiny_model_dir, embedder, method):
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(TEXTS)))
     out = tmp_path / "e.npy"
@@ -75,7 +62,7 @@ def test_embed_methods_and_jsonl_field(tmp_path, model_dir, embedder, method):
         "--field",
         "body",
         "--model",
-        model_dir,
+        tiny_model_dir,
         "--out",
         str(out),
         "--method",
@@ -87,11 +74,11 @@ def test_embed_methods_and_jsonl_field(tmp_path, model_dir, embedder, method):
     assert meta["field"] == "body" and meta["pooling"] == "mean"
 
 
-def test_embed_parquet(tmp_path, model_dir, embedder):
+def test_embed_parquet(tmp_path, tiny_model_dir, embedder):
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"text": TEXTS}), path)
     out = tmp_path / "e.npy"
-    assert main(["embed", str(path), "--model", model_dir, "--out", str(out), "--device", "cpu"]) == 0
+    assert main(["embed", str(path), "--model", tiny_model_dir, "--out", str(out), "--device", "cpu"]) == 0
     np.testing.assert_allclose(np.load(out), embedder.encode(TEXTS), atol=1e-5)
 
 
@@ -104,28 +91,28 @@ def test_embed_parquet(tmp_path, model_dir, embedder):
         (["--field", "text"], "field applies to .jsonl and .parquet"),
     ],
 )
-def test_embed_bad_arguments(tmp_path, corpus, model_dir, capsys, extra, message):
+def test_embed_bad_arguments(tmp_path, corpus, tiny_model_dir, capsys, extra, message):
     out = tmp_path / "e.npy"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), *extra]) == 2
+    assert main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(out), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
 
 
-def test_embed_bad_inputs(tmp_path, model_dir, capsys):
+def test_embed_bad_inputs(tmp_path, tiny_model_dir, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert main(["embed", str(empty), "--model", model_dir, "--out", str(tmp_path / "e.npy")]) == 2
+    assert main(["embed", str(empty), "--model", tiny_model_dir, "--out", str(tmp_path / "e.npy")]) == 2
     assert "is empty" in capsys.readouterr().err
     assert not list(tmp_path.glob("e.npy*"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
-    assert main(["embed", str(bad), "--model", model_dir, "--out", str(tmp_path / "e.npy")]) == 2
+    assert main(["embed", str(bad), "--model", tiny_model_dir, "--out", str(tmp_path / "e.npy")]) == 2
     assert "bad.jsonl:2: no field 'text'" in capsys.readouterr().err
     assert main(["embed", str(tmp_path / "none.txt"), "--out", str(tmp_path / "e.npy")]) == 2
     assert "input file not found" in capsys.readouterr().err
     good = tmp_path / "good.txt"
     good.write_text("a\n")
-    assert main(["embed", str(good), "--model", model_dir, "--out", str(tmp_path / "e.bin")]) == 2
+    assert main(["embed", str(good), "--model", tiny_model_dir, "--out", str(tmp_path / "e.bin")]) == 2
     assert "--out must be a .npy file" in capsys.readouterr().err
     assert main(["embed", "--out", str(tmp_path / "e.npy")]) == 2
     assert "INPUT is required" in capsys.readouterr().err
@@ -133,9 +120,12 @@ def test_embed_bad_inputs(tmp_path, model_dir, capsys):
         main(["embed", str(good), "--out", str(tmp_path / "e.npy"), "--method", "mean"])
 
 
-def test_search_finds_the_query_text(tmp_path, corpus, model_dir, capsys):
+def test_search_finds_the_query_text(tmp_path, corpus, tiny_model_dir, capsys):
     emb = tmp_path / "corpus.npy"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(emb), "--prompt", "prompteol"]) == 0
+    assert (
+        main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(emb), "--prompt", "prompteol"])
+        == 0
+    )
     capsys.readouterr()
     queries = tmp_path / "q.txt"
     queries.write_text("rain at night\n")
@@ -162,9 +152,9 @@ def test_search_finds_the_query_text(tmp_path, corpus, model_dir, capsys):
     assert out.startswith(f"query: {TEXTS[0]}\n") and f"[0]  {TEXTS[0]}" in out
 
 
-def test_search_errors(tmp_path, corpus, model_dir, capsys):
+def test_search_errors(tmp_path, corpus, tiny_model_dir, capsys):
     emb = tmp_path / "corpus.npy"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(emb), "--method", "hs"]) == 0
+    assert main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(emb), "--method", "hs"]) == 0
     other = tmp_path / "other.txt"
     other.write_text("only\ntwo\n")
     argv = ["search", "--embeddings", str(emb), "--query", "cat"]
@@ -182,11 +172,11 @@ def test_search_errors(tmp_path, corpus, model_dir, capsys):
     assert "sidecar" in capsys.readouterr().err
 
 
-def test_prompt_none_and_relative_model_path(tmp_path, corpus, model_dir, embedder, monkeypatch, capsys):
+def test_prompt_none_and_relative_model_path(tmp_path, corpus, tiny_model_dir, embedder, monkeypatch, capsys):
     import shutil
 
     work = tmp_path / "work"
-    shutil.copytree(model_dir, work / "m")
+    shutil.copytree(tiny_model_dir, work / "m")
     monkeypatch.chdir(work)
     out = tmp_path / "e.npy"
     assert (
@@ -215,14 +205,17 @@ def test_prompt_none_and_relative_model_path(tmp_path, corpus, model_dir, embedd
     assert json.loads(capsys.readouterr().out)["results"][0]["id"] == 4
 
 
-def test_device_map_and_quantization_options(tmp_path, corpus, model_dir, embedder, capsys):
+def test_device_map_and_quantization_options(tmp_path, corpus, tiny_model_dir, embedder, capsys):
     import importlib.util
 
     out = tmp_path / "e.npy"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--device-map", "auto"]) == 0
+    assert (
+        main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(out), "--device-map", "auto"])
+        == 0
+    )
     np.testing.assert_allclose(np.load(out), embedder.encode(TEXTS), atol=1e-5)
     assert read_embeddings(out)[1]["load_in_4bit"] is False
-    argv = ["embed", str(corpus), "--model", model_dir, "--out", str(tmp_path / "f.npy")]
+    argv = ["embed", str(corpus), "--model", tiny_model_dir, "--out", str(tmp_path / "f.npy")]
     assert main([*argv, "--device", "cpu", "--device-map", "auto"]) == 2
     assert "either --device or --device-map" in capsys.readouterr().err
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -230,9 +223,13 @@ def test_device_map_and_quantization_options(tmp_path, corpus, model_dir, embedd
         assert "--load-in-4bit needs bitsandbytes" in capsys.readouterr().err
 
 
-def test_search_reloads_the_model_in_the_recorded_dtype(tmp_path, corpus, model_dir, monkeypatch, capsys):
+def test_search_reloads_the_model_in_the_recorded_dtype(
+    tmp_path, corpus, tiny_model_dir, monkeypatch, capsys
+):
     out = tmp_path / "e.npy"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert (
+        main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(out), "--dtype", "bfloat16"]) == 0
+    )
     meta = read_embeddings(out)[1]
     assert meta["model_dtype"] == "bfloat16" and meta["array_dtype"] == "float32"
     seen = []
@@ -248,14 +245,16 @@ def test_search_reloads_the_model_in_the_recorded_dtype(tmp_path, corpus, model_
     assert seen == ["bfloat16"]
 
 
-def test_bad_out_paths_are_refused_before_the_model_loads(tmp_path, corpus, model_dir, monkeypatch, capsys):
+def test_bad_out_paths_are_refused_before_the_model_loads(
+    tmp_path, corpus, tiny_model_dir, monkeypatch, capsys
+):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
 
     monkeypatch.setattr(MoEEmbedder, "from_pretrained", no_loading)
     (tmp_path / "dir.npy").mkdir()
     (tmp_path / "plain").write_text("a file, not a directory")
-    argv = ["embed", str(corpus), "--model", model_dir, "--out"]
+    argv = ["embed", str(corpus), "--model", tiny_model_dir, "--out"]
     assert main([*argv, str(tmp_path / "dir.npy")]) == 2
     assert "dir.npy is a directory" in capsys.readouterr().err
     assert main([*argv, str(tmp_path / "plain" / "e.npy")]) == 2
@@ -272,9 +271,9 @@ def test_bad_out_paths_are_refused_before_the_model_loads(tmp_path, corpus, mode
     assert read_embeddings(tmp_path / "old.npy")[0].shape == (len(TEXTS), 80)
 
 
-def test_merge_refuses_to_overwrite(tmp_path, corpus, model_dir, capsys):
+def test_merge_refuses_to_overwrite(tmp_path, corpus, tiny_model_dir, capsys):
     out_dir = tmp_path / "shards"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out_dir), "--sharded"]) == 0
+    assert main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(out_dir), "--sharded"]) == 0
     target = tmp_path / "merged.npy"
     target.write_bytes(b"precious")
     assert main(["embed", "--merge", str(out_dir), "--out", str(target)]) == 2
@@ -283,13 +282,15 @@ def test_merge_refuses_to_overwrite(tmp_path, corpus, model_dir, capsys):
     np.testing.assert_array_equal(np.load(target), np.load(out_dir / "embeddings.npy"))
 
 
-def test_truncated_texts_of_every_chunk_are_counted_in_the_sidecar(tmp_path, model_dir, capsys):
+def test_truncated_texts_of_every_chunk_are_counted_in_the_sidecar(tmp_path, tiny_model_dir, capsys):
     long = " ".join(["cat"] * 600)  # longer than the tiny model's 512 positions
     corpus = tmp_path / "long.txt"
     corpus.write_text("\n".join([long, "rain", long, "sun", long]) + "\n")
     out = tmp_path / "e.npy"
     # chunks of 2: the same warning in chunks 1 and 2 would be shown once by Python's warning filter
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(out), "--chunk-size", "2"]) == 0
+    assert (
+        main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(out), "--chunk-size", "2"]) == 0
+    )
     assert read_embeddings(out)[1]["truncated_texts"] == 3
     assert "3 of 5 texts were truncated" in capsys.readouterr().err
     shards = tmp_path / "shards"
@@ -297,7 +298,7 @@ def test_truncated_texts_of_every_chunk_are_counted_in_the_sidecar(tmp_path, mod
         "embed",
         str(corpus),
         "--model",
-        model_dir,
+        tiny_model_dir,
         "--out",
         str(shards),
         "--sharded",
@@ -309,12 +310,12 @@ def test_truncated_texts_of_every_chunk_are_counted_in_the_sidecar(tmp_path, mod
     assert read_embeddings(shards / "embeddings.npy")[1]["truncated_texts"] == 3
 
 
-def test_search_output_escapes_control_characters(tmp_path, model_dir, capsys):
+def test_search_output_escapes_control_characters(tmp_path, tiny_model_dir, capsys):
     corpus = tmp_path / "c.jsonl"
     nasty = "red \x1b[31malert\x1b[0m bell\x07 two\nlines \u202eevil"
     corpus.write_text("\n".join(json.dumps({"text": t}) for t in [nasty, "rain at night"]) + "\n")
     emb = tmp_path / "c.npy"
-    assert main(["embed", str(corpus), "--model", model_dir, "--out", str(emb)]) == 0
+    assert main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(emb)]) == 0
     capsys.readouterr()
     argv = ["search", "--embeddings", str(emb), "--texts", str(corpus), "--query", nasty, "-k", "2"]
     assert main(argv) == 0

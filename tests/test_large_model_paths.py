@@ -1,4 +1,4 @@
-"""Large-model code paths (issue 6): dtype, device_map and 4-bit options pass through
+"""Large-model code paths: dtype, device_map and 4-bit options pass through
 ``MoEEmbedder.from_pretrained``, and capture still works when the layers of one model sit on
 different devices (some on the CPU, some offloaded to disk, i.e. on ``meta`` between uses).
 

@@ -1,5 +1,6 @@
 """Router capture: find every MoE router of a model and record its dense routing with hooks."""
 
+from moee.capture.architectures import ARCHITECTURES, ROUTER_CLASSES
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import (
     DEFAULT_SCORE,
@@ -18,8 +19,10 @@ from moee.capture.registry import (
 )
 
 __all__ = [
+    "ARCHITECTURES",
     "DEFAULT_SCORE",
     "MODEL_TYPE_RULES",
+    "ROUTER_CLASSES",
     "RULES",
     "SCORES",
     "SELECTION_FORMATS",

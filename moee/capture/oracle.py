@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moee.capture.architectures import ROUTER_CLASSES
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import SCORES, apply_score, find_routers, router_report, selection_bias
 from moee.capture.tiny import tiny_model
 
 __all__ = ["OracleResult", "check_architecture", "padded_batch"]
 
-#: Model outputs that hold probabilities rather than logits (router class name).
-_OUTPUT_IS_PROBS = ("Gemma4TextRouter",)
+#: Router classes whose output holds probabilities rather than logits.
+_OUTPUT_IS_PROBS = tuple(name for name, rc in ROUTER_CLASSES.items() if rc.logits_child is not None)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _reference(values: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.
 
 #: Router classes whose block weights each selected expert by a learned per-expert factor on top of
 #: the routing scores (Gemma-4: ``top_k_weights * per_expert_scale[top_k_index]``); divided out.
-_PER_EXPERT_SCALE = {"Gemma4TextRouter": "per_expert_scale"}
+_PER_EXPERT_SCALE = {name: rc.per_expert_scale for name, rc in ROUTER_CLASSES.items() if rc.per_expert_scale}
 
 
 def _block_of(model: torch.nn.Module, spec) -> torch.nn.Module | None:

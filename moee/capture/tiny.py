@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from moee.capture.architectures import EXPERT_COUNT_KEYS, TOP_K_KEYS
+
 __all__ = ["tiny_config", "tiny_model", "tiny_tokenizer", "TINY_WORDS"]
 
 # Sizes every architecture understands (only the keys a config actually has are set).
@@ -58,8 +60,6 @@ _SIZES: dict[str, Any] = {
     "num_nextn_predict_layers": 0,
     "per_layer_config": {},
 }
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
 _LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 
 # Per-architecture adjustments found while making each tiny model run (see the oracle test).
@@ -141,10 +141,10 @@ def tiny_config(
     for key in _LAYER_KEYS:
         if key in defaults:
             kwargs[key] = n_layers
-    for key in _EXPERT_COUNT_KEYS:
+    for key in EXPERT_COUNT_KEYS:
         if key in defaults and not isinstance(defaults[key], (list, dict)):
             kwargs[key] = n_experts
-    for key in _TOP_K_KEYS:
+    for key in TOP_K_KEYS:
         if key in defaults:
             kwargs[key] = top_k
     if defaults.get("n_group") is not None:

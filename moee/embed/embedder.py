@@ -60,7 +60,8 @@ __all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "m
 
 logger = logging.getLogger(__name__)
 
-#: The bundled default model (a separate issue trains and ships it).
+#: The bundled default model (trained by ``scripts/train_default_model.sh``, exported by
+#: ``scripts/export_default_model.py``).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
 #: Inputs with more texts than this get a progress bar when ``show_progress_bar=None``.

@@ -228,7 +228,7 @@ class MoEEMTEBEncoder(AbsEncoder):
             or (trace_cache.pooling, trace_cache.prompt, trace_cache.score) != (pooling, prompt, score)
         ):
             raise ValueError("trace_cache belongs to another embedder or (pooling, prompt, score) setting")
-        if trace_cache is None and hasattr(embedder, "trace"):
+        if trace_cache is None:
             trace_cache = TraceCache(embedder, pooling=pooling, prompt=prompt, score=score)
         self.trace_cache = trace_cache
         self.mteb_model_meta = self._build_meta(model_name(embedder), revision or _weights_digest(embedder))
@@ -296,25 +296,10 @@ class MoEEMTEBEncoder(AbsEncoder):
     ) -> np.ndarray:
         """Embed plain texts with this configuration (the path ``encode`` takes after unbatching)."""
         alpha = self.alpha_for(task_name) if self.config.uses_alpha else 1.0
-        if self.trace_cache is not None:
-            hs, rw = self.trace_cache.get(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
-            if not texts:
-                return np.zeros((0, self._embed_dim() or 0), np.float32)
-            return combine(hs, rw, self.method, alpha=alpha, normalize=True)
-        return np.asarray(
-            self.model.encode(
-                texts,
-                method=self.method,
-                pooling=self.pooling,
-                prompt=self.prompt,
-                alpha=alpha,
-                score=self.score,
-                batch_size=batch_size,
-                normalize=True,
-                show_progress_bar=show_progress_bar,
-            ),
-            dtype=np.float32,
-        )
+        hs, rw = self.trace_cache.get(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        if not texts:
+            return np.zeros((0, self._embed_dim() or 0), np.float32)
+        return combine(hs, rw, self.method, alpha=alpha, normalize=True)
 
     def encode(
         self,

@@ -14,7 +14,6 @@ from moee.moe.gates import (
     NoisyTopKGate,
     SoftmaxGate,
     top_k_gating,
-    update_loss_free_biases,
 )
 from moee.moe.losses import (
     cv_squared,
@@ -37,7 +36,6 @@ __all__ = [
     "NoisyTopKGate",
     "SoftmaxGate",
     "top_k_gating",
-    "update_loss_free_biases",
     "cv_squared",
     "importance_loss",
     "keep_top_k",

@@ -37,7 +37,6 @@ __all__ = [
     "BatchwiseBalancedGate",
     "ExpertChoiceGate",
     "LossFreeBalancedGate",
-    "update_loss_free_biases",
     "switch_capacity",
 ]
 
@@ -560,8 +559,7 @@ class LossFreeBalancedGate(nn.Module):
     in that step: underloaded experts are nudged up, overloaded ones down, balanced ones stay.
     With ``auto_update=True`` (default) the update is applied at the end of every training-mode
     forward (one forward per optimiser step, the common case); with ``auto_update=False`` the loads
-    accumulate until :meth:`update_bias` is called (e.g. once per step with gradient accumulation,
-    see :func:`update_loss_free_biases`). Eval-mode forwards never change the bias. No loss:
+    accumulate until :meth:`update_bias` is called (e.g. once per step with gradient accumulation). Eval-mode forwards never change the bias. No loss:
     ``aux["loss"]`` is 0; ``aux["bias"]`` is a copy of the bias used for this forward.
     """
 
@@ -626,14 +624,3 @@ class LossFreeBalancedGate(nn.Module):
             f"d_model={self.d_model}, n_experts={self.n_experts}, k={self.k}, gamma={self.gamma}, "
             f"score_func={self.score_func!r}, auto_update={self.auto_update}"
         )
-
-
-def update_loss_free_biases(model: nn.Module) -> int:
-    """Call :meth:`LossFreeBalancedGate.update_bias` on every such gate in ``model``; return how many.
-
-    For training loops that run several forwards per optimiser step (``auto_update=False``).
-    """
-    gates = [m for m in model.modules() if isinstance(m, LossFreeBalancedGate)]
-    for gate in gates:
-        gate.update_bias()
-    return len(gates)

@@ -174,7 +174,7 @@ class FamilyRule:
 _SWIGLU = FamilyRule(decoder=True, layers="layers", read=_read_swiglu, install=_install_mlp)
 _BERT = FamilyRule(decoder=False, layers="encoder.layer", read=_read_bert, install=_install_bert)
 
-#: transformers ``model_type`` -> rule. Every entry is exercised by ``tests/test_upcycle.py``.
+#: transformers ``model_type`` -> rule. Every entry is exercised by ``tests/test_moe_upcycle.py``.
 FAMILIES: dict[str, FamilyRule] = {
     "llama": _SWIGLU,
     "mistral": _SWIGLU,

@@ -16,6 +16,7 @@ import numpy as np
 
 from moee.analysis.specialization.html import render_html
 from moee.analysis.specialization.statistics import SpecializationAccumulator
+from moee.capture.architectures import TOP_K_KEYS
 from moee.io import batched
 
 __all__ = [
@@ -33,15 +34,8 @@ __all__ = [
 logger = logging.getLogger("moee.analysis.specialization")
 
 #: Config attributes that hold the number of experts each token is routed to, in lookup order.
-TOP_K_ATTRIBUTES = (
-    "num_experts_per_tok",  # Mixtral, OLMoE, Qwen-MoE, DeepSeek, gpt-oss, our MoEEConfig
-    "moe_top_k",
-    "top_k",
-    "num_selected_experts",
-    "router_top_k",
-    "experts_per_token",
-    "moe_k",
-)
+#: The config keys that name top-k: the capture's one list.
+TOP_K_ATTRIBUTES = TOP_K_KEYS
 
 #: Every top-level section of the report JSON (and of the HTML page).
 REPORT_SECTIONS = (

@@ -9,10 +9,10 @@ from collections import Counter
 import mteb
 import numpy as np
 import pytest
-import torch
 from mteb.models import EncoderProtocol
 from scipy.stats import spearmanr
 
+from moee.capture.tiny import tiny_model
 from moee.cli import main as cli_main
 from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
@@ -51,25 +51,9 @@ def tokenizer():
 
 
 def _tiny_olmoe(vocab_size: int, seed: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "olmoe",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=vocab_size,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
+    return tiny_model(
+        "olmoe", n_layers=2, seed=seed, vocab_size=vocab_size, intermediate_size=32, num_key_value_heads=4
     )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +215,10 @@ def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
             (row["tasks"]["lee_sts"] + row["tasks"]["fortunes_clustering"]) / 2
         )
     (key, by_prompt), *others = json.loads(summary["alpha_choices"].read_text()).items()
-    assert not others and key == f"moee/tiny-olmoe@{model_identity(embedder)[1]} pooling=last score={DEFAULT_SCORE}"
+    assert (
+        not others
+        and key == f"moee/tiny-olmoe@{model_identity(embedder)[1]} pooling=last score={DEFAULT_SCORE}"
+    )
     choices = by_prompt["none"]
     assert doc["run"]["alpha_choices"]["none"]["lee_sts"] == choices["lee_sts"]["alpha"]
     assert set(choices) == {"lee_sts", "fortunes_clustering"} and choices["lee_sts"]["n_texts"] == 50
