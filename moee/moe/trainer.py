@@ -229,18 +229,13 @@ def lr_at(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> 
 
 def iter_jsonl_texts(path: str | os.PathLike):
     """Yield the "text" of every line of a JSONL file; a bad line raises ValueError with its number."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ValueError(f'{path}:{lineno}: expected an object with a string "text" field')
-            yield text
+    from moee.io import iter_jsonl
+
+    for lineno, record in iter_jsonl(path):
+        text = record.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f'{path}:{lineno}: expected an object with a string "text" field')
+        yield text
 
 
 def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | os.PathLike) -> Path:
