@@ -15,7 +15,7 @@ set -euo pipefail
 # source file -> the test files that exercise it (space-separated)
 tests_for() {
   case "$1" in
-    moee/moe/gates.py) echo "tests/test_moe_gates.py tests/test_moe_layer.py" ;;
+    moee/moe/gates.py) echo "tests/test_moe_gates.py tests/test_moe_layer.py tests/test_moe_switch.py" ;;
     moee/moe/losses.py) echo "tests/test_moe_losses.py tests/test_moe_gates.py" ;;
     moee/moe/switch.py) echo "tests/test_moe_switch.py" ;;
     moee/moe/layer.py) echo "tests/test_moe_layer.py" ;;
