@@ -16,7 +16,6 @@ The GPU is used when the GPU build of faiss is installed and a GPU is visible
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import faiss
 import numpy as np
 
 from moee.embed.validation import check_choice, check_positive_int
-from moee.io import check_input_file, commit_with_sidecar, file_sha256, sidecar_path
+from moee.io import check_input_file, commit_with_sidecar, file_sha256, read_sidecar, sidecar_path
 
 KINDS = ("flat", "ivf")
 METRICS = ("cosine", "ip")
@@ -251,17 +250,14 @@ class VectorIndex:
         """Read an index written by ``save`` (both files must exist and agree)."""
         path = check_input_file(path, "index file")
         sidecar = sidecar_path(path)
-        if not sidecar.is_file():
-            raise FileNotFoundError(f"index sidecar {sidecar} is missing (written by VectorIndex.save)")
-        try:
-            meta = json.loads(sidecar.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{sidecar} is not valid JSON ({exc}); save the index again") from None
-        if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else None
-            raise ValueError(
-                f"{sidecar} is not a moee index sidecar (format {found!r}); save the index again"
-            )
+        meta = read_sidecar(
+            sidecar,
+            fmt=SIDECAR_FORMAT,
+            kind="index",
+            missing=f"index sidecar {sidecar} is missing (written by VectorIndex.save)",
+            remedy="save the index again",
+            format_hint=lambda found: "; save the index again",
+        )
         if file_sha256(path) != meta.get("sha256"):
             raise ValueError(
                 f"{path} does not match its sidecar (checksum differs): the index file is corrupted or "

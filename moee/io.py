@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -366,22 +366,43 @@ def write_embeddings(
     return writer.close(metadata)
 
 
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The sidecar of an embeddings file (``FileNotFoundError`` naming it when missing)."""
-    sidecar = sidecar_path(path)
+def read_sidecar(
+    sidecar: Path,
+    *,
+    fmt: str,
+    kind: str,
+    missing: str,
+    remedy: str,
+    format_hint: Callable[[Any], str] = lambda found: "",
+) -> dict[str, Any]:
+    """A JSON sidecar of format ``fmt``, or an error naming it: ``missing`` when it does not exist,
+    invalid JSON with ``remedy``, another format with ``format_hint(found format)`` appended
+    (``kind``: what the sidecar describes). Shared by embeddings files and saved indexes."""
     if not sidecar.is_file():
-        raise FileNotFoundError(f"sidecar {sidecar} is missing; embeddings files are written by `moee embed`")
+        raise FileNotFoundError(missing)
     try:
         meta = json.loads(sidecar.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{sidecar} is not valid JSON ({exc}); re-run `moee embed`") from None
-    if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
+        raise ValueError(f"{sidecar} is not valid JSON ({exc}); {remedy}") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
         found = meta.get("format") if isinstance(meta, dict) else None
-        hint = (
-            "; it was written by an older moee, re-run `moee embed`" if found == "moee-embeddings/1" else ""
-        )
-        raise ValueError(f"{sidecar} is not a moee embeddings sidecar (format {found!r}){hint}")
+        raise ValueError(f"{sidecar} is not a moee {kind} sidecar (format {found!r}){format_hint(found)}")
     return meta
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The sidecar of an embeddings file (``FileNotFoundError`` naming it when missing)."""
+    sidecar = sidecar_path(path)
+    return read_sidecar(
+        sidecar,
+        fmt=SIDECAR_FORMAT,
+        kind="embeddings",
+        missing=f"sidecar {sidecar} is missing; embeddings files are written by `moee embed`",
+        remedy="re-run `moee embed`",
+        format_hint=lambda found: (
+            "; it was written by an older moee, re-run `moee embed`" if found == "moee-embeddings/1" else ""
+        ),
+    )
 
 
 def check_embeddings_file(path: str | Path, meta: dict[str, Any], *, content: bool = True) -> None:
