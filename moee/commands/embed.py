@@ -187,15 +187,9 @@ def check_output_file(path: str | Path, *, overwrite: bool) -> Path:
         raise IsADirectoryError(f"--out {path} is a directory; give the path of a .npy file")
     if path.exists() and not overwrite:
         raise FileExistsError(f"--out {path} already exists; pass --overwrite to replace it")
-    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(
-            f"cannot write --out {path}: {exc.strerror or exc} ({exc.filename or path.parent})"
-        ) from None
+    _probe_writable(
+        path.parent, path.with_name(f".{path.name}.{os.getpid()}.probe"), f"cannot write --out {path}"
+    )
     return path
 
 
@@ -204,16 +198,19 @@ def check_output_dir(path: str | Path) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"with --sharded, --out {path} is a file, not a directory")
-    probe = path / f".probe.{os.getpid()}"
+    _probe_writable(path, path / f".probe.{os.getpid()}", f"cannot write to --out {path}")
+    return path
+
+
+def _probe_writable(directory: Path, probe: Path, message: str) -> None:
+    """Create ``directory`` and write and remove ``probe`` in it, so an unwritable output fails
+    before any work; ``message`` starts the error."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise ValueError(
-            f"cannot write to --out {path}: {exc.strerror or exc} ({exc.filename or path})"
-        ) from None
-    return path
+        raise ValueError(f"{message}: {exc.strerror or exc} ({exc.filename or directory})") from None
 
 
 def run(args: argparse.Namespace) -> int:
