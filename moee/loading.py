@@ -160,6 +160,25 @@ def _pickle_only(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
 
 
+def check_model_source(name_or_path: str | Path) -> None:
+    """Refuse, by name, a model argument that is meant as a local path but is not a model directory.
+
+    A Hub id is ``name`` or ``org/name``; anything absolute, starting with ``.`` or ``~``, or with
+    more path parts is a local path, and transformers would otherwise misread a missing one as a
+    malformed Hub id (a raw ``OSError``). Existing directories and Hub ids pass unchanged.
+    """
+    local = Path(name_or_path).expanduser()
+    text = str(name_or_path)
+    if local.is_dir():
+        return
+    if local.exists():
+        raise NotADirectoryError(f"model {text!r} is a file; give a model directory or a Hub id")
+    if local.is_absolute() or text.startswith((".", "~")) or len(Path(text).parts) > 2:
+        raise FileNotFoundError(
+            f"model directory {text!r} not found (and it is not a Hub id such as org/name)"
+        )
+
+
 def load_causal_lm(
     name_or_path: str | Path,
     *,
@@ -176,6 +195,7 @@ def load_causal_lm(
 
     if "use_safetensors" in hf_kwargs:
         raise ValueError("pass allow_pickle_weights=True instead of use_safetensors")
+    check_model_source(name_or_path)
     local = Path(name_or_path)
     if not allow_pickle_weights and local.is_dir():
         pickled = _pickle_only(local)

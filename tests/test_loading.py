@@ -111,3 +111,18 @@ def test_load_options_are_checked():
         LoadOptions(dtype="float64")
     assert LoadOptions().hf_kwargs() == {}
     assert LoadOptions(dtype="auto").hf_kwargs() == {"dtype": "auto"}
+
+
+def test_a_missing_local_model_path_is_named_before_transformers_misreads_it(tmp_path):
+    from moee.loading import check_model_source, load_causal_lm
+
+    for missing in (str(tmp_path / "nope"), "./nope", "~/nope-moee-model", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="model directory .* not found"):
+            load_causal_lm(missing)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        check_model_source(weights)
+    check_model_source(tmp_path)  # an existing directory passes
+    check_model_source("org/name")  # and so do Hub ids (resolved by transformers)
+    check_model_source("name")

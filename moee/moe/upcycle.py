@@ -158,6 +158,9 @@ def _load_dense(src: str | Path | PreTrainedModel, dtype: torch.dtype | None) ->
         return src
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    from moee.loading import check_model_source
+
+    check_model_source(src)
     config = AutoConfig.from_pretrained(src)
     rule = family_rule(config.model_type)
     auto = AutoModelForCausalLM if rule.decoder else AutoModel
