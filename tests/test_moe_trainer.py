@@ -535,3 +535,76 @@ def test_a_damaged_newest_checkpoint_names_the_earlier_ones(corpus, tmp_path):
         train(cfg, resume=True, progress=False)
     newest.rename(tmp_path / "damaged")
     assert train(cfg, resume=True, progress=False).step == 6
+
+
+# ------------------------------------------------------------------ continued pretraining (init.from)
+
+
+def _upcycled_dir(tmp_path: Path, vocab: int) -> Path:
+    from transformers import BertConfig, BertModel
+
+    from moee.moe.upcycle import save_upcycled, upcycle
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    BertModel(cfg).save_pretrained(tmp_path / "bert")
+    moe = upcycle(tmp_path / "bert", n_experts=4, top_k=2, causal=True, router_type="loss_free")
+    return save_upcycled(moe, tmp_path / "moe")
+
+
+def test_init_from_continues_an_upcycled_model_and_trains_its_routers(corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = _upcycled_dir(tmp_path, vocab=40)
+    before = AutoModelForCausalLM.from_pretrained(src)
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    cfg["model"] = {}
+    cfg["init"] = {"from": str(src)}
+    cfg["optim"]["router_lr_scale"] = 0.0  # routers frozen: proves they are recognised as routers
+    result = train(cfg, progress=False)
+    after = AutoModelForCausalLM.from_pretrained(result.checkpoint)
+    assert type(after).__name__ == "MoEEUpcycledForCausalLM"
+    w_before = dict(before.named_parameters())
+    changed = {n for n, p in after.named_parameters() if not torch.equal(p, w_before[n])}
+    routers = {n for n in w_before if ".router.gate." in n}
+    assert routers and not (routers & changed)  # lr x 0 on every router weight
+    assert any("experts" in n for n in changed) and any("attention" in n for n in changed)
+    # the loss-free biases moved during training (buffers, not parameters)
+    biases = [b for n, b in after.named_buffers() if n.endswith("gate.bias")]
+    assert biases and any(float(b.abs().sum()) > 0 for b in biases)
+    assert result.last_eval is not None and math.isfinite(result.last_eval["loss"])
+
+
+def test_init_from_rejects_model_keys_and_a_small_vocabulary(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    cfg["init"] = {"from": str(tmp_path / "somewhere")}
+    with pytest.raises(ValueError, match="brings its own architecture; leave 'model' empty"):
+        load_config(cfg)
+    cfg["model"] = {}
+    cfg["init"] = {"from": str(_upcycled_dir(tmp_path, vocab=5))}
+    with pytest.raises(ValueError, match="its vocabulary of 5 < tokenizer size"):
+        train(cfg, progress=False)
+
+
+def test_a_distinct_bos_starts_every_document(corpus, tmp_path):
+    from transformers import AutoTokenizer
+
+    from moee.moe.trainer import load_tokens, tokenize_to_file
+
+    tok = AutoTokenizer.from_pretrained(corpus["root"] / "tok")
+    plain = load_tokens(tokenize_to_file(corpus["root"] / "heldout.jsonl", tok, tmp_path / "a"))
+    assert plain[0] != tok.eos_token_id
+    tok.add_special_tokens({"bos_token": "[UNK]"})  # any token other than eos
+    with_bos = load_tokens(tokenize_to_file(corpus["root"] / "heldout.jsonl", tok, tmp_path / "b"))
+    docs = int((plain == tok.eos_token_id).sum())
+    assert len(with_bos) == len(plain) + docs
+    assert with_bos[0] == tok.bos_token_id
+    ends = np.flatnonzero(with_bos == tok.eos_token_id)[:-1]
+    assert (with_bos[ends + 1] == tok.bos_token_id).all()

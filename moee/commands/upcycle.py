@@ -55,6 +55,40 @@ def register(subparsers) -> None:
         default=None,
         help="load and save in this dtype",
     )
+    p.add_argument(
+        "--causal",
+        action="store_true",
+        help="encoders (BERT, RoBERTa): make a causal LM (causal attention, LM head tied to the "
+        "embeddings, tokenizer adds only a leading CLS as BOS)",
+    )
+    p.add_argument(
+        "--layer-order",
+        default=None,
+        metavar="I,J,...",
+        help="depth up-scaling first: the new layer list as old layer indices, e.g. 0,1,2,3,2,3,4,5",
+    )
+    p.add_argument(
+        "--router",
+        choices=("top_k", "loss_free"),
+        default="top_k",
+        help="router kind: deterministic top-k, or top-k with a loss-free balancing bias (default %(default)s)",
+    )
+    p.add_argument(
+        "--router-bias-gamma", type=float, default=1e-3, help="loss-free bias step (default %(default)s)"
+    )
+    p.add_argument(
+        "--trim-vocab",
+        default=None,
+        metavar="CORPUS.jsonl",
+        help="keep only tokens seen in this JSONL corpus ({'text': ...} per line), plus special and "
+        "single-character tokens (WordPiece/WordLevel tokenizers)",
+    )
+    p.add_argument(
+        "--min-count",
+        type=int,
+        default=1,
+        help="--trim-vocab: times a token must occur (default %(default)s)",
+    )
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
     p.set_defaults(func=run)
 
@@ -65,6 +99,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moee.moe.upcycle import save_upcycled, upcycle
+
+    order = None
+    if args.layer_order:
+        try:
+            order = [int(x) for x in args.layer_order.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--layer-order must be comma-separated integers, got {args.layer_order!r}"
+            ) from None
 
     out_dir = Path(args.out)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not args.overwrite:
@@ -83,17 +126,64 @@ def run(args: argparse.Namespace) -> int:
         router_std=args.router_std,
         seed=args.seed,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
+        causal=args.causal,
+        layer_order=order,
+        router_type=args.router,
+        router_bias_gamma=args.router_bias_gamma,
     )
     has_tokenizer = Path(args.src).is_dir() and any(
         (Path(args.src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
     )
     tokenizer_from = args.src if has_tokenizer or not Path(args.src).exists() else None
-    out = save_upcycled(model, args.out, tokenizer_from=tokenizer_from)
+    tokenizer = None
+    if args.trim_vocab or args.causal:
+        if tokenizer_from is None:
+            raise ValueError(f"--trim-vocab / --causal need the tokenizer of {args.src}, and it has none")
+        tokenizer = _adapt_tokenizer(model, tokenizer_from, args)
+    out = save_upcycled(
+        model, args.out, tokenizer_from=None if tokenizer else tokenizer_from, tokenizer=tokenizer
+    )
     cfg = model.config
     print(
         f"wrote {out}: {cfg.text_config.model_type} -> {len(model.moe_ffns())} MoE layers x "
         f"{cfg.num_experts} experts (top-{cfg.num_experts_per_tok}, {cfg.upcycle_mode}, "
         f"expert width {cfg.expert_intermediate_size}, shared width {cfg.shared_intermediate_size}, "
-        f"router {cfg.router_init})"
+        f"router {cfg.router_init}/{cfg.router_type}, vocabulary {model.get_input_embeddings().weight.shape[0]})"
     )
     return 0
+
+
+def _adapt_tokenizer(model, tokenizer_from: str, args: argparse.Namespace):
+    """The tokenizer to save: trimmed to ``--trim-vocab``'s tokens (the model's embeddings too) and,
+    for an encoder made causal, with a BOS-only template."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from moee.io import iter_jsonl
+    from moee.moe.upcycled import family_rule
+    from moee.moe.vocab import causal_template, keep_for_counts, trim_vocabulary
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    if args.trim_vocab:
+        from tqdm.auto import tqdm
+
+        counts = np.zeros(len(tokenizer), dtype=np.int64)
+        batch: list[str] = []
+
+        def flush() -> None:
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                counts[:] += np.bincount(ids, minlength=len(counts))[: len(counts)]
+            batch.clear()
+
+        for line, row in tqdm(iter_jsonl(args.trim_vocab), desc="count tokens", unit=" docs"):
+            if not isinstance(row.get("text"), str):
+                raise ValueError(f"{args.trim_vocab}:{line}: needs a string 'text' field")
+            batch.append(row["text"])
+            if len(batch) >= 1000:
+                flush()
+        flush()
+        keep = keep_for_counts(tokenizer, counts, args.min_count)
+        model, tokenizer, _ = trim_vocabulary(model, tokenizer, keep)
+    if args.causal and not family_rule(model.config.text_config.model_type).decoder:
+        tokenizer = causal_template(tokenizer)
+    return tokenizer

@@ -78,6 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "threads": None,
     "model": {},
+    "init": {"from": None},
     "data": {"train": None, "heldout": None, "tokenizer": None, "seq_len": 256, "cache_dir": "build/tokens"},
     "optim": {
         "lr": 3e-3,
@@ -173,7 +174,14 @@ def load_config(source: str | os.PathLike | dict) -> dict:
             cfg[key].update(value)
         else:
             cfg[key] = value
-    _check_model_section(cfg["model"], origin)
+    if cfg["init"]["from"] is not None:
+        if cfg["model"]:
+            raise ValueError(
+                f"{origin}: init.from {cfg['init']['from']!r} brings its own architecture; "
+                f"leave 'model' empty (got {sorted(cfg['model'])})"
+            )
+    else:
+        _check_model_section(cfg["model"], origin)
     for name in ("train", "tokenizer"):
         if not cfg["data"][name]:
             raise ValueError(f"{origin}: data.{name} is required")
@@ -252,6 +260,9 @@ def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | 
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos token (needed to separate documents)")
+    # a tokenizer with its own BOS (distinct from EOS) starts every document with it, as at inference
+    bos = tokenizer.bos_token_id
+    head = (bos,) if bos is not None and bos != eos else ()
     tok_digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
     key = hashlib.sha256((sha256_file(jsonl) + tok_digest).encode()).hexdigest()[:16]
     cache = Path(cache_dir)
@@ -268,7 +279,7 @@ def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | 
         def flush() -> None:
             nonlocal n_tokens, n_docs
             ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
-            flat = np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
+            flat = np.fromiter((t for doc in ids for t in (*head, *doc, eos)), dtype=np.uint16)
             f.write(flat.tobytes())
             n_tokens += flat.size
             n_docs += len(batch)
@@ -435,6 +446,9 @@ class TrainResult:
 def _build_model(cfg: dict, tokenizer: Any):
     from moee.moe.lm import MoEEConfig, MoEEForCausalLM
 
+    if cfg["init"]["from"] is not None:
+        return _load_init(cfg["init"]["from"], tokenizer, cfg["data"]["seq_len"])
+
     kwargs = dict(cfg["model"])
     kwargs.setdefault("vocab_size", len(tokenizer))
     kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
@@ -445,6 +459,27 @@ def _build_model(cfg: dict, tokenizer: Any):
         raise ValueError(f"model.vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
     torch.manual_seed(cfg["seed"])
     return MoEEForCausalLM(MoEEConfig(**kwargs))
+
+
+def _load_init(source: str, tokenizer: Any, seq_len: int):
+    """Continued pretraining: the model saved at ``source`` (safetensors; e.g. a `moee upcycle`
+    output), checked against the tokenizer and the window length."""
+    from transformers import AutoModelForCausalLM
+
+    import moee.moe.lm  # noqa: F401  (registers moee_lm)
+    import moee.moe.upcycled  # noqa: F401  (registers moee_upcycled)
+    from moee.loading import check_model_source
+
+    check_model_source(source)
+    model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True, dtype=torch.float32)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if vocab < len(tokenizer):
+        raise ValueError(f"init.from {source}: its vocabulary of {vocab} < tokenizer size {len(tokenizer)}")
+    text = getattr(model.config, "text_config", model.config)
+    max_pos = getattr(text, "max_position_embeddings", None)
+    if max_pos is not None and max_pos < seq_len:
+        raise ValueError(f"init.from {source}: max_position_embeddings {max_pos} < data.seq_len {seq_len}")
+    return model
 
 
 def _append_log(path: Path, record: dict) -> None:
@@ -713,8 +748,12 @@ def train(
     # Adam moves every router weight by ~lr per step whatever its gradient scale, which can make
     # all tokens pick the same experts faster than balancing reacts; router_lr_scale slows it.
     groups: dict[tuple[bool, bool], list] = {}
-    for n, p in model.named_parameters():
-        is_router = ".mlp.gate." in n
+    # every gate inside a MoEERouter carries _moee_router_part (moee_lm and upcycled models alike)
+    router_params = {
+        id(p) for m in model.modules() if getattr(m, "_moee_router_part", False) for p in m.parameters()
+    }
+    for _, p in model.named_parameters():
+        is_router = id(p) in router_params
         decays = p.dim() >= 2 and not is_router
         groups.setdefault((is_router, decays), []).append(p)
     param_groups = [

@@ -29,13 +29,16 @@ from transformers import PreTrainedModel
 from moee.moe.upcycled import (
     FAMILIES,
     MODES,
+    ROUTERS,
     DenseFFN,
     MoEEUpcycledConfig,
     MoEEUpcycledForCausalLM,
     MoEEUpcycledModel,
     MoEEUpcycledPreTrainedModel,
     family_rule,
+    is_causal,
     moe_layers,
+    reorder_layers,
 )
 
 __all__ = [
@@ -153,8 +156,15 @@ def split_neurons(
     return groups, centroids
 
 
-def _load_dense(src: str | Path | PreTrainedModel, dtype: torch.dtype | None) -> PreTrainedModel:
+def _load_dense(
+    src: str | Path | PreTrainedModel, dtype: torch.dtype | None, causal: bool = False
+) -> PreTrainedModel:
     if isinstance(src, PreTrainedModel):
+        if causal and not is_causal(src.config):
+            raise ValueError(
+                "causal=True needs a path or name (the causal LM class is built at load time); "
+                "load the encoder with is_decoder=True yourself or pass its path"
+            )
         return src
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -162,10 +172,14 @@ def _load_dense(src: str | Path | PreTrainedModel, dtype: torch.dtype | None) ->
 
     check_model_source(src)
     config = AutoConfig.from_pretrained(src)
-    rule = family_rule(config.model_type)
-    auto = AutoModelForCausalLM if rule.decoder else AutoModel
+    family_rule(config.model_type)
+    if causal and not is_causal(config):
+        # an encoder family as a causal LM: causal self-attention and the family's LM head
+        # (its prediction-head weights start fresh when the checkpoint has none)
+        config.is_decoder = True
+    auto = AutoModelForCausalLM if is_causal(config) else AutoModel
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    return auto.from_pretrained(src, use_safetensors=True, **kwargs)
+    return auto.from_pretrained(src, config=config, use_safetensors=True, **kwargs)
 
 
 def upcycle(
@@ -181,6 +195,10 @@ def upcycle(
     router_std: float = 0.02,
     seed: int = 0,
     dtype: torch.dtype | None = None,
+    causal: bool = False,
+    layer_order: list[int] | None = None,
+    router_type: str = "top_k",
+    router_bias_gamma: float = 1e-3,
 ) -> MoEEUpcycledPreTrainedModel:
     """Build an MoE model from a dense checkpoint (a path / hub name, or a loaded model).
 
@@ -189,7 +207,16 @@ def upcycle(
     defaults to ``"centroid"`` for split and ``"random"`` (normal, std ``router_std``) for copy;
     ``"zero"`` starts from uniform routing. A loaded ``src`` model is modified in place (its FFN
     modules are replaced) and becomes the returned model's ``.model``.
+
+    ``causal=True`` turns an encoder family (BERT, RoBERTa) into a causal LM before upcycling
+    (``is_decoder=True``: causal self-attention and the family's LM head, tied to the input
+    embeddings), so it loads with ``AutoModelForCausalLM``. ``layer_order`` applies depth
+    up-scaling first (`moee.moe.upcycled.reorder_layers`, e.g. ``[0, 1, 2, 3, 2, 3, 4, 5]``).
+    ``router_type`` is a key of `moee.moe.upcycled.ROUTERS` (``loss_free``: a selection bias that
+    training moves towards balanced load, step ``router_bias_gamma``).
     """
+    if router_type not in ROUTERS:
+        raise ValueError(f"router_type must be one of {tuple(ROUTERS)}, got {router_type!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     router_init = router_init or ("centroid" if mode == "split" else "random")
@@ -210,10 +237,12 @@ def upcycle(
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be an int in [1, n_experts={n_experts}], got {top_k!r}")
 
-    dense_model = _load_dense(src, dtype)
+    dense_model = _load_dense(src, dtype, causal)
     text_config = dense_model.config
     rule = family_rule(getattr(text_config, "model_type", None))
-    expected = MoEEUpcycledForCausalLM if rule.decoder else MoEEUpcycledModel
+    if layer_order is not None:
+        reorder_layers(dense_model, list(layer_order))
+    expected = MoEEUpcycledForCausalLM if is_causal(text_config) else MoEEUpcycledModel
     layers = moe_layers(dense_model.base_model, rule)
     ffns = [rule.read(layer) for layer in layers]
     d_ff = ffns[0].d_ff
@@ -258,6 +287,8 @@ def upcycle(
         expert_intermediate_size=width,
         shared_intermediate_size=shared_width,
         router_init=router_init,
+        router_type=router_type,
+        router_bias_gamma=router_bias_gamma,
         upcycled_from=str(name) if name else None,
     )
     model = expected(config, dense=dense_model)
@@ -268,12 +299,19 @@ def upcycle(
 
 
 def save_upcycled(
-    model: MoEEUpcycledPreTrainedModel, out: str | Path, *, tokenizer_from: str | Path | None = None
+    model: MoEEUpcycledPreTrainedModel,
+    out: str | Path,
+    *,
+    tokenizer_from: str | Path | None = None,
+    tokenizer=None,
 ) -> Path:
-    """Write ``model`` to ``out`` (safetensors) and, when given, the tokenizer of ``tokenizer_from``."""
+    """Write ``model`` to ``out`` (safetensors) and, when given, ``tokenizer`` or the tokenizer of
+    ``tokenizer_from``."""
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True)
-    if tokenizer_from is not None:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    elif tokenizer_from is not None:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)

@@ -48,12 +48,14 @@ from transformers import (
 from transformers.configuration_utils import SubConfigSpec
 from transformers.utils.output_capturing import OutputRecorder
 
-from moee.moe.gates import NoisyTopKGate
-from moee.moe.layer import MoEERouter, dispatch_combine
+from moee.moe.gates import LossFreeBalancedGate, NoisyTopKGate
+from moee.moe.layer import MoEERouter, dispatch_combine, routing_stats
+from moee.moe.lm import MoEECausalLMOutput
 
 __all__ = [
     "FAMILIES",
     "MODES",
+    "ROUTERS",
     "DenseFFN",
     "FamilyRule",
     "MoEEUpcycledConfig",
@@ -63,10 +65,20 @@ __all__ = [
     "UpcycledMoEFFN",
     "dense_ffn_width",
     "family_rule",
+    "is_causal",
     "moe_layers",
 ]
 
 MODES = ("split", "copy")
+
+#: Router kinds of an upcycled MoE FFN: ``top_k`` (deterministic top-k over ``x W_r``, softmax over
+#: the selected) or ``loss_free`` (the same softmax scores plus a selection-only bias that
+#: auxiliary-loss-free balancing moves during training; Wang et al. 2024). Each builds the gate
+#: from ``(d_model, n_experts, top_k, bias_gamma)``.
+ROUTERS: dict[str, Callable[[int, int, int, float], nn.Module]] = {
+    "top_k": lambda d, e, k, gamma: NoisyTopKGate(d, e, k, noisy=False),
+    "loss_free": lambda d, e, k, gamma: LossFreeBalancedGate(d, e, k, gamma=gamma, score_func="softmax"),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,6 +212,36 @@ def moe_layers(base: nn.Module, rule: FamilyRule) -> nn.ModuleList:
     return operator.attrgetter(rule.layers)(base)
 
 
+def is_causal(config: PreTrainedConfig) -> bool:
+    """Whether the dense model of ``config`` is a causal LM: a decoder family, or an encoder family
+    (BERT, RoBERTa) configured with ``is_decoder=True`` (causal self-attention and an LM head, the
+    family's ``...ForCausalLM`` / ``...LMHeadModel`` class)."""
+    return family_rule(config.model_type).decoder or bool(getattr(config, "is_decoder", False))
+
+
+def reorder_layers(model: PreTrainedModel, order: list[int]) -> PreTrainedModel:
+    """Depth up-scaling (Kim et al. 2023, SOLAR): rebuild the layer list of ``model`` as copies of
+    its layers in ``order`` (indices may repeat), e.g. ``[0, 1, 2, 3, 2, 3, 4, 5]`` turns 6 layers
+    into 8. Each copy gets its own position index for the KV cache; the config's layer count follows.
+    Modifies ``model`` in place and returns it."""
+    import copy
+
+    rule = family_rule(model.config.model_type)
+    layers = moe_layers(model.base_model, rule)
+    n = len(layers)
+    if not order or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in order):
+        raise ValueError(f"layer order must be a non-empty list of layer indices in [0, {n}), got {order!r}")
+    new = nn.ModuleList(copy.deepcopy(layers[i]) for i in order)
+    for position, layer in enumerate(new):
+        for sub in layer.modules():
+            if hasattr(sub, "layer_idx"):
+                sub.layer_idx = position
+    parent, _, name = rule.layers.rpartition(".")
+    setattr(operator.attrgetter(parent)(model.base_model) if parent else model.base_model, name, new)
+    model.config.num_hidden_layers = len(order)
+    return model
+
+
 # --------------------------------------------------------------------------------------------
 # The MoE FFN
 # --------------------------------------------------------------------------------------------
@@ -291,12 +333,19 @@ class UpcycledMoEFFN(nn.Module):
         bias_in: bool,
         bias_out: bool,
         dropout: nn.Module | None = None,
+        router: str = "top_k",
+        bias_gamma: float = 1e-3,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {tuple(ROUTERS)}, got {router!r}")
         self.mode = mode
-        self.router = MoEERouter(NoisyTopKGate(d_model, n_experts, top_k, noisy=False), n_experts, top_k)
+        self.router = MoEERouter(ROUTERS[router](d_model, n_experts, top_k, bias_gamma), n_experts, top_k)
+        #: routing statistics of the last forward (`moee.moe.layer.routing_stats` + ``loss``), read
+        #: by `MoEEUpcycledForCausalLM` into ``moe_aux`` for training loops
+        self.last_aux: dict[str, torch.Tensor] | None = None
         self.experts = UpcycledExperts(n_experts, d_model, expert_width, act, gated=gated, bias=bias_in)
         self.shared = (
             UpcycledExperts(1, d_model, shared_width, act, gated=gated, bias=bias_in)
@@ -311,7 +360,11 @@ class UpcycledMoEFFN(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, weights, indices, _ = self.router(x)
+        _, weights, indices, gate_out = self.router(x)
+        aux = routing_stats(gate_out.probs, indices, self.router.num_experts, None, gate_out.mask)
+        loss = gate_out.aux.get("loss")
+        aux["loss"] = loss if loss is not None else x.new_zeros(())
+        self.last_aux = aux
         if self.mode == "split":
             weights = weights - weights.detach() + 1.0  # value exactly 1, gradient of the gate
         out = dispatch_combine(x, weights, indices, self.experts)
@@ -361,7 +414,8 @@ class MoEEUpcycledConfig(PreTrainedConfig):
     ``upcycle_mode``: ``"split"`` (experts hold disjoint neuron slices of width
     ``expert_intermediate_size = (d_ff - shared_intermediate_size) / num_experts``) or ``"copy"``
     (every expert is the whole FFN). ``shared_intermediate_size``: width of the always-on shared
-    expert (0: none; in copy mode it is d_ff, a full copy). ``router_init`` and ``upcycled_from``
+    expert (0: none; in copy mode it is d_ff, a full copy). ``router_type``: a key of `ROUTERS`
+    (``router_bias_gamma`` is the loss-free bias step). ``router_init`` and ``upcycled_from``
     record how the model was built (informational).
     """
 
@@ -375,12 +429,16 @@ class MoEEUpcycledConfig(PreTrainedConfig):
     expert_intermediate_size: int = 0  # 0: derived from text_config and the mode
     shared_intermediate_size: int = 0
     router_init: str = "random"
+    router_type: str = "top_k"
+    router_bias_gamma: float = 1e-3
     upcycled_from: str | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         if self.upcycle_mode not in MODES:
             raise ValueError(f"upcycle_mode must be one of {MODES}, got {self.upcycle_mode!r}")
+        if self.router_type not in ROUTERS:
+            raise ValueError(f"router_type must be one of {tuple(ROUTERS)}, got {self.router_type!r}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
@@ -437,7 +495,7 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
         config._attn_implementation = config._attn_implementation
         rule = family_rule(config.text_config.model_type)
         if dense is None:
-            dense = _dense_class(config.text_config, rule.decoder)(config.text_config)
+            dense = _dense_class(config.text_config, is_causal(config.text_config))(config.text_config)
         self.model = dense
         self._no_split_modules = getattr(dense, "_no_split_modules", None)
         for layer in moe_layers(dense.base_model, rule):
@@ -456,6 +514,8 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
                     bias_in=ffn.b_act is not None or ffn.b_up is not None,
                     bias_out=ffn.b_down is not None,
                     dropout=ffn.dropout,
+                    router=config.router_type,
+                    bias_gamma=config.router_bias_gamma,
                 ),
             )
         self.post_init()
@@ -494,9 +554,10 @@ class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: MoEEUpcycledConfig, dense: PreTrainedModel | None = None) -> None:
         model_type = config.text_config.model_type
-        if not family_rule(model_type).decoder:
+        if not is_causal(config.text_config):
             raise ValueError(
-                f"an upcycled {model_type} is an encoder, not a causal LM: load it with AutoModel"
+                f"an upcycled {model_type} is an encoder, not a causal LM: load it with AutoModel "
+                "(or upcycle it with causal=True)"
             )
         super().__init__(config, dense)
 
@@ -509,8 +570,28 @@ class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, *args, **kwargs):
         return self.model.prepare_inputs_for_generation(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
+    def forward(self, *args, **kwargs) -> MoEECausalLMOutput:
+        """The dense causal LM's forward, plus what moee's trainer reads: ``moe_aux`` (each MoE
+        layer's routing statistics) and ``aux_loss`` (the gates' balancing losses, added to
+        ``loss`` when ``labels`` are given; 0 for the top-k and loss-free routers)."""
+        if kwargs.get("return_dict") is False:
+            raise ValueError(
+                "MoEEUpcycledForCausalLM returns a ModelOutput; return_dict=False is not supported"
+            )
+        out = self.model(*args, **kwargs)
+        moe_aux = tuple(f.last_aux for f in self.moe_ffns() if f.last_aux is not None)
+        aux_loss = torch.stack([a["loss"] for a in moe_aux]).sum() if moe_aux else out.logits.new_zeros(())
+        lm_loss = out.loss
+        return MoEECausalLMOutput(
+            loss=None if lm_loss is None else lm_loss + aux_loss,
+            aux_loss=aux_loss,
+            lm_loss=lm_loss,
+            logits=out.logits,
+            past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+            moe_aux=moe_aux,
+        )
 
 
 AutoConfig.register(MoEEUpcycledConfig.model_type, MoEEUpcycledConfig, exist_ok=True)

@@ -1,0 +1,120 @@
+"""Vocabulary trimming and the causal template (moee/moe/vocab.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import BertConfig, BertLMHeadModel, PreTrainedTokenizerFast
+
+from moee.moe.vocab import causal_template, keep_for_counts, trim_vocabulary
+
+WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "a",
+    "b",
+    "c",
+    "d",
+    "##a",
+    "##b",
+    "##c",
+    "##d",
+    "cab",
+    "bad",
+    "dab",
+    "##ad",
+    "abc",
+]
+
+
+def bert_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def lm(vocab: int = len(WORDS)):
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        is_decoder=True,
+        pad_token_id=0,
+    )
+    model = BertLMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias.normal_()
+    return model
+
+
+def test_keep_for_counts_keeps_seen_special_and_single_character_tokens():
+    tok = bert_tokenizer()
+    counts = np.zeros(len(WORDS), dtype=np.int64)
+    counts[WORDS.index("cab")] = 5
+    counts[WORDS.index("bad")] = 1
+    keep = keep_for_counts(tok, counts, min_count=2)
+    names = {WORDS[i] for i in keep}
+    assert "cab" in names and "bad" not in names and "dab" not in names and "abc" not in names
+    assert {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "##d"} <= names
+    with pytest.raises(ValueError, match="counts has 3 entries"):
+        keep_for_counts(tok, np.zeros(3), 1)
+
+
+def test_trimmed_model_gives_the_old_logits_on_kept_tokens():
+    tok, model = bert_tokenizer(), lm()
+    text = "cab bad abc dab"
+    old_ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        old_logits = model(input_ids=old_ids).logits
+    keep = [WORDS.index(w) for w in ("a", "b", "c", "d", "##a", "##b", "##c", "##d", "cab", "bad", "##ad")]
+    model, new_tok, kept = trim_vocabulary(model, tok, keep)
+    assert len(new_tok) == len(kept) == 16 and model.config.vocab_size == 16
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    # kept words keep their token; dropped ones fall back to pieces
+    pieces = new_tok.convert_ids_to_tokens(new_tok(text).input_ids)
+    assert pieces == ["[CLS]", "cab", "bad", "a", "##b", "##c", "d", "##a", "##b", "[SEP]"]
+    same = "cab bad"
+    ids_new = new_tok(same, return_tensors="pt").input_ids
+    ids_old = tok(same, return_tensors="pt").input_ids
+    assert torch.equal(kept[ids_new], ids_old)
+    with torch.no_grad():
+        old = lm()(input_ids=ids_old).logits[..., kept]
+        new = model(input_ids=ids_new).logits
+    assert torch.allclose(old, new, atol=1e-6)
+    assert old_logits.shape[-1] == len(WORDS)
+
+
+def test_trim_rejects_ids_out_of_range_and_bpe():
+    tok = bert_tokenizer()
+    with pytest.raises(ValueError, match=r"must lie in \[0, 18\)"):
+        trim_vocabulary(lm(), tok, [40])
+    bpe = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    with pytest.raises(ValueError, match="supports WordPiece, WordLevel tokenizers, not BPE"):
+        trim_vocabulary(lm(), bpe, [1])
+
+
+def test_causal_template_adds_only_a_leading_bos():
+    tok = causal_template(bert_tokenizer())
+    assert tok.convert_ids_to_tokens(tok("cab bad").input_ids) == ["[CLS]", "cab", "bad"]
+    assert tok.bos_token == "[CLS]" and tok.eos_token == "[SEP]"
+    assert tok.bos_token_id == 2 and tok.eos_token_id == 3
