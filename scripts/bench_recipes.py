@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, c in configs.items()
         }
         times = time_interleaved(calls, repeats=args.repeats, warmup=1)
+        labels = {name: c.experiment_kwargs() for name, c in configs.items()}  # while the reference exists
     variants = {}
-    for name, config in configs.items():
+    for name in configs:
         stats = summarize(times[name], work=len(texts), unit="texts")
         variants[name] = {
-            "config": config.experiment_kwargs(),
+            "config": labels[name],
             **stats,
             "model_tokens": tokens[name],
             "tokens_per_s": tokens[name] / stats["median_s"],

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from moee.capture import supported_architectures
 from moee.capture.registry import _decoder_layers
-from moee.capture.tiny import tiny_model, tiny_tokenizer
+from moee.capture.tiny import tiny_config, tiny_model, tiny_tokenizer
 from moee.embed.config import EmbeddingConfig
 from moee.embed.embedder import DEFAULT_MODEL_DIR, MoEEmbedder, default_config
 from moee.embed.methods import METHODS
@@ -142,6 +143,19 @@ def test_token_prepending_disabled_changes_nothing(emb):
     on = emb.encode(text, method="hs", recipe="token_prepending", normalize=False)
     assert not np.allclose(on[0], states[-1], atol=1e-4)  # enabled, it does change the vector
     np.testing.assert_allclose(_final_states(emb, tok.ids), states, atol=1e-6)  # and leaves no hook behind
+
+
+def test_token_prepending_never_pools_the_placeholder(emb):
+    text = ["the cat sat on the mat"]
+    (tok,) = emb._tokenize_recipe(text, None, "token_prepending")
+    with TokenPrepending(emb.model) as prepend:  # the recipe's forward, by hand
+        prepend.set_batch(torch.tensor([tok.placeholder]), torch.tensor([len(tok.ids) - 1]))
+        states = _final_states(emb, tok.ids)
+    keep = [i for i in range(len(tok.ids)) if i != tok.placeholder]
+    got = emb.encode(text, method="hs", recipe="token_prepending", pooling="mean", normalize=False)
+    np.testing.assert_allclose(got[0], states[keep].mean(0), atol=ATOL)
+    last = emb.encode(text, method="hs", recipe="token_prepending", normalize=False)
+    np.testing.assert_allclose(last[0], states[-1], atol=ATOL)
 
 
 def test_token_prepending_refuses_a_model_without_decoder_layers():
@@ -461,3 +475,24 @@ def test_cli_fit_reference_then_embed_with_recipes(tmp_path, tiny_model_dir):
         TEXTS * 2, recipe="echo", prompt=["prompteol", "meaning"], reference=str(ref) + ".safetensors"
     )
     np.testing.assert_allclose(np.load(out), want, atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", supported_architectures())
+def test_token_prepending_and_echo_on_every_supported_architecture(model_type):
+    """The decoder layers are found generically on every architecture capture supports, and both
+    recipes stay batch-invariant there (hybrids with Mamba / linear-attention layers included)."""
+    # Sparse-attention indexers (DeepSeek-V3.2-style) pick their top-k keys before the padding mask,
+    # so no embedding is batch-invariant beyond index_topk tokens (2,048 in the released models, 8
+    # in the tiny configs): give the tiny ones the released models' headroom.
+    extra = {"index_topk": 2048} if hasattr(tiny_config(model_type), "index_topk") else {}
+    emb = MoEEmbedder(tiny_model(model_type, **extra), tiny_tokenizer())
+    assert TokenPrepending(emb.model).layers  # found, at least one layer hooked
+    for config in (
+        EmbeddingConfig(recipe="token_prepending"),
+        EmbeddingConfig(recipe="echo", pooling="mean"),
+    ):
+        hs, rw = emb.features(TEXTS, config, batch_size=3)
+        alone = [emb.features([t], config) for t in TEXTS]
+        np.testing.assert_allclose(hs, np.concatenate([a[0] for a in alone]), atol=ATOL, err_msg=str(config))
+        np.testing.assert_allclose(rw, np.concatenate([a[1] for a in alone]), atol=ATOL, err_msg=str(config))

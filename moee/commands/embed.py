@@ -131,8 +131,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--recipe",
         default=argparse.SUPPRESS,
-        type=lambda v: None if v in ("none", "plain") else v,
-        choices=[None, *RECIPE_NAMES],
+        choices=["none", *RECIPE_NAMES],
         help=f"none (default), {', '.join(RECIPE_NAMES)}",
     )
     group.add_argument(
@@ -165,7 +164,9 @@ def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
         if name not in vars(args):
             continue
         value = getattr(args, name)
-        if value is None and name not in ("prompt", "recipe"):
+        if name == "recipe" and value == "none":
+            value = None
+        elif value is None and name != "prompt":
             continue
         out[name] = value
     return out
@@ -186,7 +187,10 @@ def embedding_config(args: argparse.Namespace) -> EmbeddingConfig:
 
     base = EmbeddingConfig.paper() if getattr(args, "paper", False) else default_config(args.model)
     names = ("method", "pooling", "prompt", "score", "alpha", "normalize", *RECIPE_FLAGS)
-    return base.replace(**_given(args, names))
+    given = _given(args, names)
+    if given.get("reference") is not None:  # sidecars record where it is, from any directory
+        given["reference"] = str(Path(given["reference"]).resolve())
+    return base.replace(**given)
 
 
 def embedding_settings(args: argparse.Namespace) -> dict[str, Any]:

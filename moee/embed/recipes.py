@@ -228,8 +228,8 @@ class TokenPrepending:
             raise RuntimeError("call TokenPrepending.set_batch() before the forward pass")
         positional = bool(args) and isinstance(args[0], torch.Tensor)
         hidden = args[0] if positional else kwargs.get("hidden_states")
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-            raise RuntimeError(f"{type(module).__name__}: expected [batch, seq, hidden] input states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:  # [B, T, (streams,) d]
+            raise RuntimeError(f"{type(module).__name__}: expected [batch, seq, ..., hidden] input states")
         placeholder, last = (t.to(hidden.device) for t in self._rows)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         new = hidden.clone()
