@@ -35,8 +35,8 @@ def _variant(settings: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def _variant_label(variant: Mapping[str, Any]) -> str:
     """``config_label`` of the variant, without the method's name."""
-    label = config_label({"method": "hs", **variant})
-    return label.removeprefix("HS").removeprefix(" + ").strip() or "no prompt"
+    label = config_label({"method": "hs", **variant}).removeprefix("HS")
+    return label.removeprefix(" + ").strip() if label.startswith(" + ") else ("no prompt" + label).strip()
 
 
 def _is_plain(variant: Mapping[str, Any]) -> bool:
@@ -76,8 +76,8 @@ def _num(value: Any) -> float | None:
 
 
 def reading(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per method: the best variant and its gain over the plain variant of the same prompt, pooling
-    and score; and the variants (if any) where MoEE sum beats both HS and RW."""
+    """Per method: the best variant and its gain over the plain variant of the same prompt and score
+    (PromptEOL for an ensemble); and the variants (if any) where MoEE sum beats both HS and RW."""
     plain = {
         (r["variant"].get("prompt"), r["variant"].get("score")): r for r in rows if _is_plain(r["variant"])
     }
@@ -85,7 +85,8 @@ def reading(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for method in METHODS:
         gains = []
         for row in rows:
-            base = plain.get((row["variant"].get("prompt"), row["variant"].get("score")))
+            score_key = row["variant"].get("score")  # an ensemble is read against PromptEOL alone
+            base = plain.get((row["variant"].get("prompt"), score_key)) or plain.get(("prompteol", score_key))
             score, ref = _num(row["avg"].get(method)), _num(base["avg"].get(method)) if base else None
             if score is None or ref is None or row is base:
                 continue
@@ -116,7 +117,10 @@ def recipe_markdown(table: Mapping[str, Any], *, cap_note: str | None = None) ->
     """The markdown of :func:`build_recipe_table`: Avg, then Retrieval, then the reading."""
     labels = [METHOD_REGISTRY[m].label for m in METHODS]
     lines = []
-    for title, field in (("Avg (CLF, Clust, PairCLF, STS)", "avg"), ("Retrieval (nDCG@10)", "retrieval")):
+    blocks = [("Avg (CLF, Clust, PairCLF, STS)", "avg"), ("Retrieval (nDCG@10)", "retrieval")]
+    for title, field in blocks:
+        if all(_num(v) is None for row in table["rows"] for v in row[field].values()):
+            continue  # e.g. no retrieval task in the run
         lines += [
             f"### {title}",
             "",
@@ -179,7 +183,7 @@ def write_recipe_tables(
     note = (extra or {}).get("note")
     (out / "recipes.json").write_text(json.dumps(table, indent=2, default=str) + "\n", encoding="utf-8")
     md = ["## Recipes x methods", "", recipe_markdown(table, cap_note=note)]
-    md += ["Tasks: " + ", ".join(t["name"] for t in doc["tasks"]) + ".", ""]
+    md += ["Task list: " + ", ".join(t["name"] for t in doc["tasks"]) + ".", ""]
     (out / "recipes.md").write_text("\n".join(md), encoding="utf-8")
     return {"json": out / "recipes.json", "markdown": out / "recipes.md"}
 
