@@ -55,6 +55,7 @@ PYEOF
 }
 
 run plain --prompts none,prompteol --baseline
+run mean --pooling mean --prompts none,prompteol  # what echo's mean pooling is compared with
 run paper --paper
 run echo --recipe echo --prompts none,prompteol
 run echo_mean --recipe echo --pooling mean --prompts none,prompteol

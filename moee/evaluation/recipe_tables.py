@@ -40,10 +40,7 @@ def _variant_label(variant: Mapping[str, Any]) -> str:
 
 
 def _is_plain(variant: Mapping[str, Any]) -> bool:
-    return (
-        not any(variant.get(k) is not None for k in RECIPE_FIELDS)
-        and variant.get("pooling", "last") == "last"
-    )
+    return not any(variant.get(k) is not None for k in RECIPE_FIELDS)
 
 
 def build_recipe_table(doc: Mapping[str, Any], *, paper_score: str = "softmax") -> dict[str, Any]:
@@ -67,7 +64,12 @@ def build_recipe_table(doc: Mapping[str, Any], *, paper_score: str = "softmax") 
     table = sorted(rows.values(), key=lambda r: (not _is_plain(r["variant"]), r["label"]))
     for row in table:
         v = row["variant"]
-        row["paper"] = _is_plain(v) and v.get("prompt") == "prompteol" and v.get("score") == paper_score
+        row["paper"] = (
+            _is_plain(v)
+            and v.get("prompt") == "prompteol"
+            and v.get("score") == paper_score
+            and v.get("pooling") == "last"
+        )
     return {"rows": table, "baselines": baselines, "reading": reading(table)}
 
 
@@ -76,17 +78,19 @@ def _num(value: Any) -> float | None:
 
 
 def reading(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per method: the best variant and its gain over the plain variant of the same prompt and score
-    (PromptEOL for an ensemble); and the variants (if any) where MoEE sum beats both HS and RW."""
-    plain = {
-        (r["variant"].get("prompt"), r["variant"].get("score")): r for r in rows if _is_plain(r["variant"])
-    }
+    """Per method: the best variant and its gain over the plain variant of the same prompt, score and
+    pooling (PromptEOL for an ensemble); and the variants (if any) where MoEE sum beats both HS and RW."""
+
+    def key(v: Mapping[str, Any], prompt: Any) -> tuple:
+        return (prompt, v.get("score"), v.get("pooling"))
+
+    plain = {key(r["variant"], r["variant"].get("prompt")): r for r in rows if _is_plain(r["variant"])}
     out: dict[str, Any] = {"methods": {}, "moee_sum_beats_both": []}
     for method in METHODS:
         gains = []
         for row in rows:
-            score_key = row["variant"].get("score")  # an ensemble is read against PromptEOL alone
-            base = plain.get((row["variant"].get("prompt"), score_key)) or plain.get(("prompteol", score_key))
+            v = row["variant"]  # the same prompt, score and pooling; an ensemble against PromptEOL alone
+            base = plain.get(key(v, v.get("prompt"))) or plain.get(key(v, "prompteol"))
             score, ref = _num(row["avg"].get(method)), _num(base["avg"].get(method)) if base else None
             if score is None or ref is None or row is base:
                 continue
