@@ -152,8 +152,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--paper",
         action="store_true",
-        help="start from the paper's configuration (MoEE sum, PromptEOL, last token, softmax scores); "
-        "other flags still override it",
+        help="the paper's configuration (MoEE sum, PromptEOL, last token, softmax scores): embed and "
+        "fit-reference start from it (other flags override it); evaluate uses its prompt, pooling and "
+        "score for every method",
     )
 
 
