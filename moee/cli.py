@@ -10,7 +10,17 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("embed", "search", "evaluate", "report", "train", "simulate", "quickstart", "upcycle")
+COMMANDS = (
+    "embed",
+    "search",
+    "evaluate",
+    "fit_reference",
+    "report",
+    "train",
+    "simulate",
+    "quickstart",
+    "upcycle",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

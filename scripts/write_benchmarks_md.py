@@ -23,6 +23,7 @@ COMMANDS = {
     "search": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py",
     "search_isotropic": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py --isotropic",
     "gpu_check": "python scripts/gpu_check.py   # on a GPU machine; --tiny for a CPU smoke test",
+    "recipes": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py",
 }
 
 
@@ -379,6 +380,38 @@ def search_section(s: dict | None, iso: dict | None) -> tuple[list[str], list[li
     return lines, [row]
 
 
+def recipes_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 7. Recipes (`scripts/bench_recipes.py`)"
+    if r is None:
+        return [title, "", _not_run("recipes")], [
+            ["7", "recipes: time per text vs the plain recipe", "reported (no goal)", "not run", "—"]
+        ]
+    shape = r["shape"]
+    lines = [
+        title,
+        "",
+        _command(r),
+        f"Model {r['model']} ({shape['decoder_layers']} decoder layers, {shape['moe_layers']} MoE layers, "
+        f"{shape['experts']} experts), {r['texts']} length-mixed texts, batch {r['batch_size']}, method "
+        f"{r['method']}, {r['repeats']} interleaved repetitions; every variant under PromptEOL "
+        "(the ensemble: the nine stability prompts). Tokens = what the recipe feeds the model "
+        "(docs/RECIPES.md).",
+        "",
+        "| variant | texts/s | model tokens/s | tokens vs plain | time vs plain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, v in r["variants"].items():
+        lines.append(
+            f"| {name} | {v['texts_per_s']:.1f} | {v['tokens_per_s']:.0f} | {_x(v['token_ratio_vs_plain'])} | "
+            f"{_x(v['time_ratio_vs_plain'])} |"
+        )
+    lines.append("")
+    measured = "; ".join(
+        f"{n} {_x(v['time_ratio_vs_plain'])}" for n, v in r["variants"].items() if n != "plain"
+    )
+    return lines, [["7", "recipes: time per text vs the plain recipe", "reported (no goal)", measured, "—"]]
+
+
 def gpu_section(g: dict | None) -> list[str]:
     lines = ["## GPU check (`scripts/gpu_check.py`)", ""]
     if g is None or g.get("tiny"):
@@ -455,12 +488,13 @@ def render(results_dir: Path, capture_json: Path) -> str:
         moe_section(moe),
         training_section(training),
         search_section(search, iso),
+        recipes_section(get("recipes")),
     ]
     rows = [row for _, part_rows in parts for row in part_rows]
     out = [
         "# Benchmarks",
         "",
-        "Six figures, each a ratio of variants **measured side by side in one process**: every "
+        "Each figure is a ratio of variants **measured side by side in one process**: every "
         "repetition times every variant once, in rotating order, and the figure is the median of the "
         "per-repetition ratios (these machines are shared and noisy; load that drifts over minutes hits "
         "both sides of a ratio alike). Results, machine, versions and the exact command are in "

@@ -155,14 +155,25 @@ class RoutingRecorder:
         self._hs: torch.Tensor | None = None
         self._hs_layers: list[torch.Tensor | None] = [None] * len(self._layer_modules)
 
-    def set_batch(self, attention_mask: torch.Tensor) -> None:
-        """Declare the next forward's ``attention_mask [B, T]`` (1 = real token); clears the last batch."""
+    def set_batch(self, attention_mask: torch.Tensor, pool_mask: torch.Tensor | None = None) -> None:
+        """Declare the next forward's ``attention_mask [B, T]`` (1 = real token); clears the last batch.
+
+        ``pool_mask [B, T]`` (default: the attention mask) says which real tokens are pooled: "last"
+        is its last 1, "mean" averages its 1s (a recipe such as echo embeddings pools only part of
+        the text, see ``moee.embed.recipes``)."""
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             raise ValueError("attention_mask must be a [batch, seq_len] tensor")
-        mask = attention_mask.bool()
+        if pool_mask is not None:
+            if not isinstance(pool_mask, torch.Tensor) or pool_mask.shape != attention_mask.shape:
+                raise ValueError("pool_mask must be a tensor of the attention mask's shape")
+            if bool((pool_mask.bool() & ~attention_mask.bool()).any()):
+                raise ValueError("pool_mask marks a padded position (attention_mask 0)")
+        if bool((attention_mask.bool().sum(dim=1) == 0).any()):
+            raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
+        mask = (attention_mask if pool_mask is None else pool_mask).bool()
         lengths = mask.sum(dim=1)
         if bool((lengths == 0).any()):
-            raise ValueError("every sequence needs at least one real token (attention_mask row of zeros)")
+            raise ValueError("every sequence needs at least one pooled token (pool_mask row of zeros)")
         seq_len = mask.shape[1]
         # Index of the last real token: works for left padding, right padding and no padding.
         self._last = (seq_len - 1 - mask.flip(dims=[1]).long().argmax(dim=1)).long()

@@ -60,23 +60,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_loading_arguments(p)
     p.add_argument(
-        "--method", choices=METHODS, default="moee_sum", help="embedding method (default: moee_sum)"
+        "--method", choices=METHODS, default=None, help="embedding method (default: the model's, moee_sum)"
     )
-    p.add_argument("--pooling", choices=POOLINGS, default="last", help="token pooling (default: last)")
+    p.add_argument("--pooling", choices=POOLINGS, default=None, help="token pooling (default: last)")
     p.add_argument(
         "--score",
         choices=SCORES,
-        default=DEFAULT_SCORE,
-        help="routing scores: native (the architecture's own rule), softmax (the paper's), selection, logits",
+        default=None,
+        help=f"routing scores (default: {DEFAULT_SCORE}): native (the architecture's own rule), softmax "
+        "(the paper's), selection, logits",
     )
     p.add_argument(
         "--prompt",
         type=_prompt_arg,
-        default=None,
-        help=f"'none' (default), one of {', '.join(PROMPT_NAMES)}, or a template containing {{text}}",
+        default=argparse.SUPPRESS,
+        help=f"'none' (default), one of {', '.join(PROMPT_NAMES)}, a template containing {{text}}, "
+        "'stability' (the nine stability prompts) or a comma-separated list (an ensemble)",
     )
-    p.add_argument("--alpha", type=float, default=1.0, help="RW weight of moee_sum (>= 0)")
-    p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep rows unnormalised")
+    p.add_argument("--alpha", type=float, default=None, help="RW weight of moee_sum (>= 0; default 1)")
+    p.add_argument(
+        "--no-normalize", dest="normalize", action="store_false", default=None, help="keep rows unnormalised"
+    )
+    add_recipe_arguments(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--field", default=None, help="JSON key / parquet column holding the text (default: text)")
     p.add_argument(
@@ -105,9 +110,67 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _prompt_arg(value: str) -> str | None:
-    """`--prompt none` means no prompt; anything else is checked by ``resolve_prompt`` later."""
-    return None if value.lower() == "none" else value
+def _prompt_arg(value: str) -> str | tuple[str, ...] | None:
+    """`--prompt none` means no prompt; a comma list is an ensemble; names and templates are checked
+    by ``EmbeddingConfig`` later."""
+    if value.lower() == "none":
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()] if "{text}" not in value else [value]
+    return items[0] if len(items) == 1 else tuple(items)
+
+
+#: The recipe options on the command line (``moee.embed.recipes``), as ``EmbeddingConfig`` fields.
+RECIPE_FLAGS = ("recipe", "hs_layer", "rw_layers", "reference")
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipe flags shared by `embed`, `evaluate` and `fit-reference` (docs/RECIPES.md)."""
+    from moee.embed.recipes import RECIPE_NAMES
+
+    group = parser.add_argument_group("recipes (docs/RECIPES.md)")
+    group.add_argument(
+        "--recipe",
+        default=argparse.SUPPRESS,
+        choices=["none", *RECIPE_NAMES],
+        help=f"none (default), {', '.join(RECIPE_NAMES)}",
+    )
+    group.add_argument(
+        "--hs-layer",
+        default=argparse.SUPPRESS,
+        help="HS from decoder layer I (negative from the end) or the mean of layers START:STOP (default: final norm)",
+    )
+    group.add_argument(
+        "--rw-layers",
+        default=argparse.SUPPRESS,
+        help="RW from these MoE layers 'I,J,..' or with per-layer weights 'I:W,J:W,..' (default: all)",
+    )
+    group.add_argument(
+        "--reference",
+        default=argparse.SUPPRESS,
+        help="z-score HS and RW per dimension with a reference written by `moee fit-reference`",
+    )
+    group.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's configuration (MoEE sum, PromptEOL, last token, softmax scores): embed and "
+        "fit-reference start from it (other flags override it); evaluate uses its prompt, pooling and "
+        "score for every method",
+    )
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The configuration flags actually given (absent or ``None`` = the default)."""
+    out = {}
+    for name in names:
+        if name not in vars(args):
+            continue
+        value = getattr(args, name)
+        if name == "recipe" and value == "none":
+            value = None
+        elif value is None and name != "prompt":
+            continue
+        out[name] = value
+    return out
 
 
 def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:
@@ -119,15 +182,16 @@ def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:
 
 
 def embedding_config(args: argparse.Namespace) -> EmbeddingConfig:
-    """The embedding configuration of the command-line flags."""
-    return EmbeddingConfig(
-        method=args.method,
-        pooling=args.pooling,
-        prompt=args.prompt,
-        score=args.score,
-        alpha=args.alpha,
-        normalize=args.normalize,
-    )
+    """The embedding configuration of the command-line flags: the model's default
+    (``moee.embed.embedder.default_config``; ``--paper``: the paper's) with the flags given."""
+    from moee.embed.embedder import default_config
+
+    base = EmbeddingConfig.paper() if getattr(args, "paper", False) else default_config(args.model)
+    names = ("method", "pooling", "prompt", "score", "alpha", "normalize", *RECIPE_FLAGS)
+    given = _given(args, names)
+    if given.get("reference") is not None:  # sidecars record where it is, from any directory
+        given["reference"] = str(Path(given["reference"]).resolve())
+    return base.replace(**given)
 
 
 def embedding_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from moee.commands.embed import _given, add_recipe_arguments
 from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
 from moee.loading import LoadOptions, add_loading_arguments
 
@@ -23,8 +24,17 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _prompts(value: str) -> list[str | None]:
-    return [None if p.lower() == "none" else p for p in _csv(value)]
+def _prompts(value: str) -> list[str | tuple[str, ...] | None]:
+    """A comma list of prompts, each evaluated on its own; ``a+b`` is one ensemble of a and b."""
+    out: list[str | tuple[str, ...] | None] = []
+    for p in _csv(value):
+        if p.lower() == "none":
+            out.append(None)
+        elif "+" in p and "{text}" not in p:
+            out.append(tuple(x.strip() for x in p.split("+") if x.strip()))
+        else:
+            out.append(p)
+    return out
 
 
 def _alpha(value: str) -> float | str:
@@ -54,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompts",
         type=_prompts,
         default=[None, "prompteol"],
-        help="comma list: none, prompteol, a stability-prompt name or a {text} template (default: none,prompteol)",
+        help="comma list: none, prompteol, a stability-prompt name, a {text} template, 'stability' (the nine "
+        "stability prompts as one ensemble) or a+b (an ensemble) (default: none,prompteol)",
     )
     p.add_argument(
         "--alpha",
@@ -94,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also write the alpha sensitivity curve on the offline STS task (alpha_sensitivity.json/.png)",
     )
+    add_recipe_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -116,17 +128,23 @@ def run(args: argparse.Namespace) -> int:
         print(paths["markdown"].read_text(encoding="utf-8"))
         print(f"tables: {paths['markdown']} and {paths['json']}")
         return 0
+    recipe = _given(args, ("recipe", "hs_layer", "rw_layers", "reference"))
+    from moee.embed.config import EmbeddingConfig
+
+    base = EmbeddingConfig.paper()  # --paper: the paper's prompt, pooling and score for every method
+    paper = {"prompts": [base.prompt], "pooling": base.pooling, "score": base.score} if args.paper else {}
     settings = EvalSettings(
         model=args.model,
         methods=args.methods,
-        prompts=args.prompts,
+        prompts=paper.get("prompts", args.prompts),
         alpha=args.alpha,
         alpha_rule=args.alpha_rule,
         tasks=args.tasks,
         out=args.out,
         baseline=args.baseline,
-        pooling=args.pooling,
-        score=args.score,
+        pooling=paper.get("pooling", args.pooling),
+        score=paper.get("score", args.score),
+        **recipe,
         batch_size=args.batch_size,
         device=args.device,
         overwrite=args.overwrite,

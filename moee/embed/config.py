@@ -1,29 +1,76 @@
 """EmbeddingConfig: the one typed, validated description of how texts become vectors.
 
-Method, pooling, prompt, score, alpha and normalize are declared and checked here only; the
+Method, pooling, prompt, score, alpha and normalize, and the recipe options of
+``moee.embed.recipes`` (``recipe``, prompt ensembles, ``hs_layer``, ``rw_layers``, ``reference``),
+are declared and checked here only; the
 embedder, the evaluation adapter and runner and the CLI commands take an :class:`EmbeddingConfig`
 (``MoEEmbedder.encode`` still accepts the same keywords and builds one). Its dict forms are
 what is persisted, so they must not change: :meth:`EmbeddingConfig.to_dict` is the form of
 ``moee embed`` sidecars and shard manifests, :meth:`EmbeddingConfig.experiment_kwargs` the mteb
 ``experiment_kwargs`` that name result-cache folders
-(``alpha_auto__method_moee_sum__pooling_last__prompt_none__score_native``).
+(``alpha_auto__method_moee_sum__pooling_last__prompt_none__score_native``). The recipe options
+join both forms only when set, so every configuration without them keeps its persisted form byte
+for byte, and every one with them gets its own result folder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from os import PathLike
 from typing import Any
 
 from moee.embed.methods import DEFAULT_SCORE, METHOD_REGISTRY, POOLINGS, SCORES, Method, method_spec
 from moee.embed.prompts import resolve_prompt
+from moee.embed.recipes import PROMPT_SETS, RECIPES, parse_hs_layer, parse_rw_layers, recipe_spec
 from moee.embed.validation import check_alpha, check_choice
 
-__all__ = ["AUTO_ALPHA", "EmbeddingConfig", "check_trace_settings", "config_label"]
+__all__ = ["AUTO_ALPHA", "EmbeddingConfig", "check_trace_settings", "config_label", "prompt_templates"]
+
+#: The configuration fields that change the pooled HS/RW features (everything but the method,
+#: ``alpha`` and ``normalize``, which only combine them): what a trace cache and a reference key on.
+FEATURE_FIELDS = ("pooling", "prompt", "score", "recipe", "hs_layer", "rw_layers", "reference")
+#: The recipe options, persisted only when set (see the module docstring).
+RECIPE_FIELDS = ("recipe", "hs_layer", "rw_layers", "reference")
 
 #: Value of ``alpha`` that asks the evaluation for the label-free per-task choice
 #: (``moee.evaluation.alpha``); a vector can only be computed once a number replaces it.
 AUTO_ALPHA = "auto"
+
+
+def normalize_prompt(prompt: Any) -> str | tuple[str, ...] | None:
+    """A prompt argument in its canonical form: ``None``, one name/template, or a tuple of several
+    (an ensemble; a list of one is that one prompt). Checked by :func:`prompt_templates`."""
+    if isinstance(prompt, (list, tuple)):
+        items = tuple(prompt)
+        if not items:
+            raise ValueError("a prompt ensemble needs at least one prompt")
+        if any(p is None for p in items):
+            raise ValueError(
+                "a prompt ensemble cannot hold None (no prompt); use a template such as '{text}'"
+            )
+        return items[0] if len(items) == 1 else items
+    return prompt
+
+
+def prompt_templates(prompt: str | tuple[str, ...] | None) -> tuple[str | None, ...]:
+    """The templates of a prompt argument, one per ensemble member (``(None,)`` for no prompt);
+    a name of :data:`moee.embed.recipes.PROMPT_SETS` expands to its members."""
+    prompt = normalize_prompt(prompt)
+    if isinstance(prompt, str) and prompt in PROMPT_SETS:
+        prompt = PROMPT_SETS[prompt]
+    if isinstance(prompt, tuple):
+        return tuple(resolve_prompt(p) for p in prompt)
+    return (resolve_prompt(prompt),)
+
+
+def prompt_label(prompt: str | tuple[str, ...] | None) -> str:
+    """The prompt as result folders record it: its name, ``none``, the template, or an ensemble's
+    members joined by ``+``."""
+    prompt = normalize_prompt(prompt)
+    if prompt is None:
+        return "none"
+    return "+".join(prompt) if isinstance(prompt, tuple) else prompt
 
 
 def check_trace_settings(pooling: str, prompt: str | None, score: str) -> str | None:
@@ -58,16 +105,39 @@ class EmbeddingConfig:
 
     method: str = "moee_sum"
     pooling: str = "last"
-    prompt: str | None = None
+    prompt: str | tuple[str, ...] | None = None
     score: str = DEFAULT_SCORE
     alpha: float | str = 1.0
     normalize: bool = True
+    recipe: str | None = None
+    hs_layer: int | tuple[int, int] | None = None
+    rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...] | None = None
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         method_spec(self.method)
-        check_trace_settings(self.pooling, self.prompt, self.score)
+        object.__setattr__(self, "prompt", normalize_prompt(self.prompt))
+        check_choice("pooling", self.pooling, POOLINGS)
+        prompt_templates(self.prompt)  # a typo must not become a literal prompt
+        check_choice("score", self.score, SCORES)
         object.__setattr__(self, "alpha", check_alpha_or_auto(self.alpha))
         object.__setattr__(self, "normalize", bool(self.normalize))
+        recipe_spec(self.recipe)
+        object.__setattr__(self, "hs_layer", parse_hs_layer(self.hs_layer))
+        object.__setattr__(self, "rw_layers", parse_rw_layers(self.rw_layers))
+        if self.reference is not None:
+            if not isinstance(self.reference, (str, PathLike)):
+                raise TypeError(f"reference must be a path, got {type(self.reference).__name__}")
+            object.__setattr__(self, "reference", str(self.reference))
+
+    @classmethod
+    def paper(cls, **changes: Any) -> EmbeddingConfig:
+        """The paper's configuration: MoEE (sum) of the last token's HS and RW under PromptEOL,
+        the dense softmax of the router logits, no recipe (``changes`` override fields, e.g.
+        ``alpha``; the evaluation's ``--paper`` keeps its ``--alpha``, ``auto`` by default)."""
+        return cls(
+            **{"method": "moee_sum", "pooling": "last", "prompt": "prompteol", "score": "softmax", **changes}
+        )
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -80,13 +150,45 @@ class EmbeddingConfig:
         return self.spec.uses_alpha
 
     @property
-    def prompt_template(self) -> str | None:
-        return resolve_prompt(self.prompt)
+    def prompt_template(self) -> str | None | list[str | None]:
+        """The template (``None`` for no prompt), or the list of an ensemble's templates."""
+        templates = self.prompt_templates
+        return templates[0] if not self.is_ensemble else list(templates)
+
+    @property
+    def prompt_templates(self) -> tuple[str | None, ...]:
+        """One template per ensemble member (a single prompt is an ensemble of one)."""
+        return prompt_templates(self.prompt)
+
+    @property
+    def is_ensemble(self) -> bool:
+        return len(self.prompt_templates) > 1
 
     @property
     def prompt_label(self) -> str:
-        """The prompt as result folders record it: its name, ``none`` or the template."""
-        return "none" if self.prompt is None else self.prompt
+        """The prompt as result folders record it: its name, ``none``, the template, or ``a+b``."""
+        return prompt_label(self.prompt)
+
+    @property
+    def recipe_label(self) -> str:
+        """What the recipe options add to a label, e.g. ``echo, hs_layer=4`` (empty when none is set)."""
+        return recipe_label(self.experiment_kwargs())
+
+    def feature_key(self) -> tuple:
+        """What the pooled features depend on (:data:`FEATURE_FIELDS`): a trace cache's key."""
+        return tuple(getattr(self, f) for f in FEATURE_FIELDS)
+
+    def feature_dict(self) -> dict[str, Any]:
+        """The feature configuration as JSON (a reference records and checks it), without the
+        reference itself and with the prompt as its templates."""
+        return {
+            "pooling": self.pooling,
+            "prompt_templates": list(self.prompt_templates),
+            "score": self.score,
+            "recipe": self.recipe,
+            "hs_layer": _jsonable(self.hs_layer),
+            "rw_layers": _jsonable(self.rw_layers),
+        }
 
     @property
     def label(self) -> str:
@@ -94,8 +196,10 @@ class EmbeddingConfig:
         return config_label(self.experiment_kwargs())
 
     def width(self, hidden_size: int, n_layers: int, n_experts: int) -> int:
-        """Width of this configuration's vectors for a model of that shape."""
-        return self.spec.width(hidden_size, n_layers * n_experts)
+        """Width of this configuration's vectors for a model of that shape (``n_layers`` MoE layers,
+        of which ``rw_layers`` keeps some)."""
+        kept = n_layers if self.rw_layers is None else len(self.rw_layers)
+        return self.spec.width(hidden_size, kept * n_experts)
 
     def numeric_alpha(self) -> float:
         """``alpha`` as the number ``combine`` needs (``"auto"`` must be resolved per task first)."""
@@ -109,16 +213,29 @@ class EmbeddingConfig:
 
     # ---------------------------------------------------------------- persisted forms
     def to_dict(self) -> dict[str, Any]:
-        """The sidecar / shard-manifest form (``moee embed``); key order is part of the format."""
+        """The sidecar / shard-manifest form (``moee embed``); key order is part of the format.
+        The recipe options follow, each only when set."""
         return {
             "method": self.method,
             "pooling": self.pooling,
-            "prompt": self.prompt,
+            "prompt": list(self.prompt) if isinstance(self.prompt, tuple) else self.prompt,
             "prompt_template": self.prompt_template,
             "score": self.score,
             "alpha": self.alpha,
             "normalize": self.normalize,
+            **self._recipe_items(),
         }
+
+    def _recipe_items(self) -> dict[str, Any]:
+        return {n: _jsonable(getattr(self, n)) for n in RECIPE_FIELDS if getattr(self, n) is not None}
+
+    def reference_digest(self) -> str | None:
+        """Short sha256 of the reference's statistics (``None`` without one)."""
+        if self.reference is None:
+            return None
+        from moee.embed.reference import file_digest
+
+        return file_digest(self.reference)
 
     def experiment_kwargs(self) -> dict[str, Any]:
         """The mteb ``experiment_kwargs`` form, which names result-cache folders.
@@ -135,6 +252,11 @@ class EmbeddingConfig:
         }
         if self.uses_alpha:
             kwargs["alpha"] = self.alpha
+        # the reference by the hash of its statistics: its path says nothing about its numbers
+        for name in RECIPE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = self.reference_digest() if name == "reference" else _label_value(name, value)
         return kwargs
 
     @classmethod
@@ -145,9 +267,44 @@ class EmbeddingConfig:
         values = {k: v for k, v in data.items() if k in names}
         if values.get("prompt") == "none":
             values["prompt"] = None
+        prompt = values.get("prompt")
+        if isinstance(prompt, str) and "+" in prompt and "{text}" not in prompt:  # an ensemble's label
+            values["prompt"] = tuple(prompt.split("+"))
         if values.get("normalize") is None:
             values.pop("normalize", None)
+        if isinstance(values.get("rw_layers"), dict):  # JSON keys are strings
+            values["rw_layers"] = {int(k): v for k, v in values["rw_layers"].items()}
         return cls(**values)
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples as lists, ``(index, weight)`` pairs as a ``{index: weight}`` dict (JSON forms)."""
+    if isinstance(value, tuple):
+        if value and all(isinstance(v, tuple) for v in value):
+            return {str(i): w for i, w in value}
+        return list(value)
+    return value
+
+
+def _label_value(name: str, value: Any) -> Any:
+    """A recipe option as it names a result folder: ``hs_layer`` ``4`` or ``2:6``, ``rw_layers``
+    ``0,2`` or ``0:0.5,2:1``."""
+    if name == "hs_layer" and isinstance(value, tuple):
+        return f"{value[0]}:{value[1]}"
+    if name == "rw_layers":
+        return ",".join(f"{v[0]}:{v[1]:g}" if isinstance(v, tuple) else str(v) for v in value)
+    return value
+
+
+def recipe_label(settings: Mapping[str, Any]) -> str:
+    """The recipe options of an ``experiment_kwargs`` dict as label text (empty when none)."""
+    parts = []
+    for name in RECIPE_FIELDS:
+        if settings.get(name) is None:
+            continue
+        value = settings[name]
+        parts.append(RECIPES[value].label if name == "recipe" and value in RECIPES else f"{name}={value}")
+    return ", ".join(parts)
 
 
 def config_label(settings: Mapping[str, Any]) -> str:
@@ -159,7 +316,7 @@ def config_label(settings: Mapping[str, Any]) -> str:
     prompt = settings.get("prompt", "none")
     if prompt != "none":
         text += " + PromptEOL" if prompt == "prompteol" else f" + prompt {prompt}"
-    extras = []
+    extras = [recipe_label(settings)] if recipe_label(settings) else []
     if spec is not None and spec.uses_alpha:
         extras.append(f"alpha={settings.get('alpha')}")
     if settings.get("pooling", "last") != "last":

@@ -49,14 +49,23 @@ from torch import nn
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import backbone, find_routers
 from moee.embed.config import EmbeddingConfig, check_trace_settings
-from moee.embed.methods import DEFAULT_SCORE, combine, method_spec, output_dim
-from moee.embed.prompts import tokenize_prompts
-from moee.embed.validation import check_alpha, check_positive_int, check_texts
+from moee.embed.methods import DEFAULT_SCORE, output_dim
+from moee.embed.prompts import resolve_prompt
+from moee.embed.recipes import (
+    MODEL_DEFAULTS,
+    Tokenized,
+    combine_features,
+    recipe_hooks,
+    recipe_spec,
+    select_hs,
+    select_rw,
+)
+from moee.embed.validation import check_positive_int, check_texts
 
 if TYPE_CHECKING:
     from moee.loading import LoadOptions
 
-__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
+__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "default_config", "model_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +135,24 @@ class TokenRoutes:
     selection_returned: list[bool] | None = None
 
 
-#: The configuration keywords of ``MoEEmbedder.encode`` at their defaults (``EmbeddingConfig``'s).
-_ENCODE_DEFAULTS = {
-    k: getattr(EmbeddingConfig(), k) for k in ("method", "pooling", "prompt", "alpha", "score", "normalize")
-}
+class _ModelDefault:
+    """The default of ``encode``'s configuration keywords: the model's own default (:func:`default_config`)."""
+
+    def __repr__(self) -> str:
+        return "<model default>"
+
+
+MODEL_DEFAULT: Any = _ModelDefault()
+
+
+def default_config(name_or_path: str | Path | None) -> EmbeddingConfig:
+    """The configuration a model is embedded with when the caller sets none: its entry of
+    ``moee.embed.recipes.MODEL_DEFAULTS`` (``"bundled"`` is the bundled default model, found by its
+    directory), else :class:`EmbeddingConfig`'s defaults. ``EmbeddingConfig.paper()`` is the paper's."""
+    key = None if name_or_path is None else str(name_or_path)
+    if key is None or (Path(key).is_dir() and Path(key).resolve() == DEFAULT_MODEL_DIR.resolve()):
+        key = "bundled"
+    return EmbeddingConfig(**MODEL_DEFAULTS.get(key, {}))
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -196,6 +219,9 @@ class MoEEmbedder:
         self._pass_positions = _accepts(forward, "position_ids")
         self._pad_id = self._prepare_pad_token()
         self._empty_ids = self._empty_text_ids()
+        #: What ``encode`` uses for every configuration keyword the caller leaves out.
+        self.default_config = default_config(name_or_path)
+        self._digest: str | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -310,25 +336,64 @@ class MoEEmbedder:
         """Width of ``method``'s vectors for this model."""
         return output_dim(method, self.hidden_size, self.n_moe_layers, self.n_experts)
 
+    @property
+    def truncation_side(self) -> str:
+        """Where a long text is cut: the tokenizer's ``truncation_side`` (right by default)."""
+        return "left" if getattr(self.tokenizer, "truncation_side", "right") == "left" else "right"
+
+    @property
+    def empty_ids(self) -> list[int]:
+        """The ids an empty text becomes (see the module docstring)."""
+        return list(self._empty_ids)
+
+    @property
+    def weights_digest(self) -> str:
+        """Short hash of the weights (``moee.embed.reference.weights_digest``), computed once."""
+        if self._digest is None:
+            from moee.embed.reference import weights_digest
+
+            self._digest = weights_digest(self)
+        return self._digest
+
     # ------------------------------------------------------------------ tokenization and batching
     def _tokenize(self, texts: Sequence[str], template: str | None = None) -> list[list[int]]:
         """Ids of ``texts`` rendered with ``template``; a long text is cut inside the template."""
+        return [t.ids for t in self._tokenize_recipe(texts, template, None)]
+
+    def _tokenize_recipe(
+        self, texts: Sequence[str], template: str | None, recipe: str | None
+    ) -> list[Tokenized]:
+        """The recipe's ids and pooled positions of ``texts`` (``moee.embed.recipes``); one warning
+        counts the texts cut to ``max_length``."""
         if not texts:
             return []
-        side = "left" if getattr(self.tokenizer, "truncation_side", "right") == "left" else "right"
-        encoded, cut = tokenize_prompts(self.tokenizer, texts, template, self.max_length, side=side)
-        out = [ids or list(self._empty_ids) for ids in encoded]
+        out, cut = recipe_spec(recipe).tokenize(self, texts, resolve_prompt(template))
         n_long = sum(1 for c in cut if c)
         self._calls.truncated = n_long
         if n_long:
             lost = [c for c in cut if c]
             warnings.warn(
                 f"{n_long} of {len(out)} texts were longer than {self.max_length} tokens: their text was "
-                f"cut on the {side} by {min(lost)}-{max(lost)} tokens ({sum(lost)} in all), "
+                f"cut on the {self.truncation_side} by {min(lost)}-{max(lost)} tokens ({sum(lost)} in all), "
                 + ("the prompt template kept whole" if template is not None else "special tokens kept"),
-                stacklevel=3,
+                stacklevel=4,
             )
         return out
+
+    @staticmethod
+    def _pool_marks(toks: list[Tokenized], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded ``pool_mask [B, width]`` of the recipe's pooled positions, and the
+        placeholder's position per row (``None`` when no row has one)."""
+        pool = torch.zeros((len(toks), width), dtype=torch.long)
+        marks = []
+        for row, tok in enumerate(toks):
+            pad = width - len(tok.ids)
+            pool[row, pad + tok.pool_from :] = 1
+            if tok.placeholder is not None:
+                pool[row, pad + tok.placeholder] = 0
+                marks.append(pad + tok.placeholder)
+        placeholder = torch.tensor(marks, dtype=torch.long) if len(marks) == len(toks) else None
+        return pool, placeholder
 
     def _batch_tensors(self, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
         """Left-pad ``seqs`` into input_ids / attention_mask (/ position_ids) on the model device."""
@@ -366,10 +431,13 @@ class MoEEmbedder:
         hs_layers: bool = False,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
+        recipe: str | None = None,
     ) -> RoutingTrace:
-        """Pooled routing weights and hidden states of ``texts`` (rows in input order)."""
+        """Pooled routing weights and hidden states of ``texts`` (rows in input order), under one
+        prompt and ``recipe`` (``None``, ``"echo"`` or ``"token_prepending"``, ``moee.embed.recipes``)."""
         texts = check_texts(texts)
         template = check_trace_settings(pooling, prompt, score)
+        recipe_spec(recipe)
         batch_size = check_positive_int("batch_size", batch_size)
         n = len(texts)
         rw = np.zeros((n, self.n_moe_layers, self.n_experts), dtype=np.float32)
@@ -377,20 +445,26 @@ class MoEEmbedder:
         hs_all = None
         with self._lock:  # a fast tokenizer's settings are shared state too
             self._calls.truncated = 0
-            seqs = self._tokenize(texts, template)
-        order = sorted(range(n), key=lambda i: -len(seqs[i]))  # longest first: memory errors show early
+            toks = self._tokenize_recipe(texts, template, recipe)
+        order = sorted(range(n), key=lambda i: -len(toks[i].ids))  # longest first: memory errors show early
         with (
             self._lock,
             RoutingRecorder(
                 self.model, self.routers, pooling=pooling, score=score, hs_layers=hs_layers
             ) as recorder,
+            recipe_hooks(recipe, self.model) as hooks,
             torch.inference_mode(),
             self._progress(n, n, show_progress_bar, "moee") as bar,
         ):
             for start in range(0, n, batch_size):
                 rows = order[start : start + batch_size]
-                batch = self._batch_tensors([seqs[i] for i in rows])
-                recorder.set_batch(batch["attention_mask"])
+                chunk = [toks[i] for i in rows]
+                batch = self._batch_tensors([t.ids for t in chunk])
+                pool, placeholder = self._pool_marks(chunk, batch["input_ids"].shape[1])
+                recorder.set_batch(batch["attention_mask"], pool.to(batch["attention_mask"].device))
+                if hooks is not None:
+                    last = torch.full((len(chunk),), batch["input_ids"].shape[1] - 1, dtype=torch.long)
+                    hooks.set_batch(placeholder, last)  # left padding: the last real token is the last column
                 self._forward(batch)
                 rw[rows] = recorder.pooled_rw().numpy()
                 hs[rows] = recorder.pooled_hs().numpy()
@@ -417,15 +491,19 @@ class MoEEmbedder:
         self,
         texts: Sequence[str],
         *,
-        method: str = "moee_sum",
-        pooling: str = "last",
-        prompt: str | None = None,
-        alpha: float = 1.0,
-        score: str = DEFAULT_SCORE,
+        method: str = MODEL_DEFAULT,
+        pooling: str = MODEL_DEFAULT,
+        prompt: str | Sequence[str] | None = MODEL_DEFAULT,
+        alpha: float = MODEL_DEFAULT,
+        score: str = MODEL_DEFAULT,
         batch_size: int = 32,
-        normalize: bool = True,
+        normalize: bool = MODEL_DEFAULT,
         show_progress_bar: bool | None = None,
         config: EmbeddingConfig | None = None,
+        recipe: str | None = MODEL_DEFAULT,
+        hs_layer: int | tuple[int, int] | range | None = MODEL_DEFAULT,
+        rw_layers: Sequence[int] | dict[int, float] | None = MODEL_DEFAULT,
+        reference: str | Path | None = MODEL_DEFAULT,
     ) -> np.ndarray:
         """Embed ``texts``: float32 ``[len(texts), dim]``, rows in input order.
 
@@ -433,33 +511,122 @@ class MoEEmbedder:
         ``pooling`` ``last`` or ``mean``; ``score`` ``native`` (the default: the architecture's own
         scoring rule, which for softmax routers is the paper's dense softmax), ``softmax`` (the
         paper's formula for every architecture), ``selection`` or ``logits`` (see
-        ``moee.embed.methods.SCORES``); ``prompt`` ``None``, ``"prompteol"``, a stability-prompt name
-        or a template with ``{text}``; ``alpha >= 0`` weighs RW in ``moee_sum``. Instead of these
-        keywords, ``config`` may give them as one :class:`moee.embed.config.EmbeddingConfig`.
+        ``moee.embed.methods.SCORES``); ``prompt`` ``None``, ``"prompteol"``, a stability-prompt name,
+        a template with ``{text}``, or a list of them / ``"stability"`` (an ensemble: the mean of the
+        single-prompt vectors); ``alpha >= 0`` weighs RW in ``moee_sum``. The recipe options
+        (``moee.embed.recipes``, ``docs/RECIPES.md``): ``recipe`` ``None``, ``"echo"`` or
+        ``"token_prepending"``; ``hs_layer`` a decoder layer or a range averaged; ``rw_layers`` MoE
+        layers or ``{layer: weight}``; ``reference`` a file of :meth:`fit_reference`.
+
+        A keyword left out takes the model's default (:attr:`default_config`, which is
+        ``EmbeddingConfig()`` unless ``moee.embed.recipes.MODEL_DEFAULTS`` names one for the model).
+        Instead of these keywords, ``config`` may give them as one :class:`EmbeddingConfig`.
         """
         texts = check_texts(texts)
-        given = dict(
-            method=method, pooling=pooling, prompt=prompt, alpha=alpha, score=score, normalize=normalize
+        config = self._config(
+            config,
+            method=method,
+            pooling=pooling,
+            prompt=prompt,
+            alpha=alpha,
+            score=score,
+            normalize=normalize,
+            recipe=recipe,
+            hs_layer=hs_layer,
+            rw_layers=rw_layers,
+            reference=reference,
         )
-        if config is None:
-            method_spec(method)
-            check_alpha(alpha)  # a number here: "auto" only exists in the evaluation
-            config = EmbeddingConfig(**given)
-        elif given != _ENCODE_DEFAULTS:
-            changed = sorted(k for k, v in given.items() if _ENCODE_DEFAULTS[k] != v)
-            raise TypeError(f"pass {', '.join(changed)} inside config, not beside it")
         alpha = config.numeric_alpha()
-        trace = self.trace(
-            texts,
-            pooling=config.pooling,
-            prompt=config.prompt,
-            score=config.score,
-            batch_size=batch_size,
-            show_progress_bar=show_progress_bar,
-        )
         if not texts:
-            return np.zeros((0, self.output_dim(config.method)), dtype=np.float32)
-        return combine(trace.hs, trace.rw, config.method, alpha=alpha, normalize=config.normalize)
+            return np.zeros((0, self.config_dim(config)), dtype=np.float32)
+        hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        return combine_features(hs, rw, config.method, alpha=alpha, normalize=config.normalize)
+
+    def _config(self, config: EmbeddingConfig | None, **keywords: Any) -> EmbeddingConfig:
+        """``config``, or the model's default with the keywords given (those not left at MODEL_DEFAULT)."""
+        given = {k: v for k, v in keywords.items() if v is not MODEL_DEFAULT}
+        if config is None:
+            return self.default_config.replace(**given)
+        if not isinstance(config, EmbeddingConfig):
+            raise TypeError(f"config must be an EmbeddingConfig, got {type(config).__name__}")
+        if given:
+            raise TypeError(f"pass {', '.join(sorted(given))} inside config, not beside it")
+        return config
+
+    def config_dim(self, config: EmbeddingConfig) -> int:
+        """Width of ``config``'s vectors for this model."""
+        return config.width(self.hidden_size, self.n_moe_layers, self.n_experts)
+
+    def features(
+        self,
+        texts: Sequence[str],
+        config: EmbeddingConfig,
+        *,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        standardize: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The pooled features a configuration combines: ``hs [n, P, d]`` and ``rw [n, P, L', E]``
+        float32, one slice per ensemble prompt (``P = 1`` without an ensemble), after the recipe, the
+        layer choice and (``standardize``) the reference's z-scores. One forward pass per prompt."""
+        texts = check_texts(texts)
+        reference = None
+        if standardize and config.reference is not None:
+            from moee.embed.reference import load_cached
+
+            reference = load_cached(config.reference)
+            reference.check(self.weights_digest, config.feature_dict(), config.reference)
+        hs_out, rw_out = [], []
+        for template in config.prompt_templates:
+            trace = self.trace(
+                texts,
+                pooling=config.pooling,
+                prompt=template,
+                score=config.score,
+                hs_layers=config.hs_layer is not None,
+                batch_size=batch_size,
+                show_progress_bar=show_progress_bar,
+                recipe=config.recipe,
+            )
+            hs = trace.hs if config.hs_layer is None else select_hs(trace.hs_all_layers, config.hs_layer)
+            rw = trace.rw if config.rw_layers is None else select_rw(trace.rw, config.rw_layers)
+            if reference is not None:
+                hs, rw = reference.apply(hs, rw)
+            hs_out.append(hs)
+            rw_out.append(rw)
+        return np.stack(hs_out, axis=1), np.stack(rw_out, axis=1)
+
+    def fit_reference(
+        self,
+        texts: Sequence[str],
+        path: str | Path,
+        *,
+        config: EmbeddingConfig | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        **keywords: Any,
+    ) -> Path:
+        """Fit per-dimension mean and std of HS and RW on ``texts`` under a configuration (``config``
+        or ``encode``'s keywords; its method, alpha and reference do not matter) and write them to
+        ``path`` (``.safetensors`` + ``.json``, ``moee.embed.reference``); returns the ``.safetensors``
+        path, which ``encode(..., reference=path)`` takes. Ensemble prompts share one set of statistics."""
+        from moee import __version__
+        from moee.embed.reference import Reference
+
+        texts = check_texts(texts)
+        config = self._config(config, **keywords).replace(reference=None)
+        hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        prompts = hs.shape[1]
+        meta = {
+            "model": {"name": str(self.name_or_path), "revision": self.weights_digest},
+            "features": config.feature_dict(),
+            "n_texts": len(texts),
+            "n_prompts": prompts,
+            "moee_version": __version__,
+        }
+        flat_hs = hs.reshape(len(texts) * prompts, -1)
+        flat_rw = rw.reshape(len(texts) * prompts, -1)
+        return Reference.fit(flat_hs, flat_rw, meta).save(path)
 
     def iter_token_routes(
         self,

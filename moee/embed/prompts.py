@@ -189,10 +189,29 @@ def tokenize_prompts(
     ids and, per text, how many tokens the cut removed (0 for texts that fit). Raises
     ``ValueError`` when the template alone (with an empty text) is longer than ``max_length``.
     """
+    ids, cut, _ = fit_prompts(tokenizer, texts, prompt, max_length, side=side)
+    return ids, cut
+
+
+def fit_prompts(
+    tokenizer: Any,
+    texts: Sequence[str],
+    prompt: str | None,
+    max_length: int,
+    *,
+    side: str = "right",
+) -> tuple[list[list[int]], list[int], list[str]]:
+    """:func:`tokenize_prompts` plus, per text, the (possibly shortened) text that was rendered.
+
+    A template may hold ``{text}`` more than once (echo embeddings): every copy is cut alike, so
+    the last copy is always whole. The kept texts let a recipe find its positions in the rendered
+    string (``moee.embed.recipes``).
+    """
     if side not in ("right", "left"):
         raise ValueError(f"truncation side must be 'right' or 'left', got {side!r}")
     template = resolve_prompt(prompt)
     texts = list(texts)
+    kept = list(texts)
     out = _ids(tokenizer, render_prompts(texts, template)) if texts else []
     cut = [0] * len(out)
     for i, ids in enumerate(out):
@@ -218,5 +237,5 @@ def tokenize_prompts(
                 f"the prompt {prompt!r} with an empty text is {len(tried[0])} tokens, more than the maximum "
                 f"length {max_length}: no text would fit"
             )
-        out[i], cut[i] = tried[keep], len(ids) - len(tried[keep])
-    return out, cut
+        out[i], cut[i], kept[i] = tried[keep], len(ids) - len(tried[keep]), pieces[keep]
+    return out, cut, kept

@@ -24,7 +24,6 @@ forward pass per text instead of four. Several encoders may share one cache.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -36,8 +35,10 @@ import numpy as np
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
-from moee.embed.config import AUTO_ALPHA, EmbeddingConfig, check_trace_settings
-from moee.embed.methods import DEFAULT_SCORE, combine
+from moee.embed.config import AUTO_ALPHA, EmbeddingConfig
+from moee.embed.methods import DEFAULT_SCORE
+from moee.embed.recipes import combine_features
+from moee.embed.reference import weights_digest as _weights_digest
 from moee.embed.validation import check_alpha, check_texts
 
 if TYPE_CHECKING:
@@ -59,36 +60,6 @@ def _batches_to_texts(inputs: DataLoader[BatchedInput]) -> list[str]:
             raise TypeError(f"MoE embedders take text only; this batch has columns {sorted(batch)}")
         texts.extend(batch["text"])
     return check_texts(texts)
-
-
-def _weights_digest(embedder: Any) -> str:
-    """A short, stable hash of the weights, used as the mteb revision.
-
-    A local model directory is hashed through its weight files (cheap, and identical for
-    every process that loads the same files); an in-memory model through its parameters.
-    """
-    sha = hashlib.sha256()
-    path = getattr(embedder, "name_or_path", None)
-    files = []
-    if path and Path(str(path)).is_dir():
-        files = sorted(Path(str(path)).glob("*.safetensors")) or sorted(Path(str(path)).glob("*.bin"))
-    if files:
-        for file in files:
-            sha.update(file.name.encode())
-            with file.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    sha.update(chunk)
-        return sha.hexdigest()[:12]
-    model = getattr(embedder, "model", None)
-    commit = getattr(getattr(model, "config", None), "_commit_hash", None)
-    if commit:
-        return str(commit)[:12]
-    if model is not None and hasattr(model, "state_dict"):
-        for name, tensor in sorted(model.state_dict().items()):
-            sha.update(name.encode())
-            sha.update(tensor.detach().float().cpu().numpy().tobytes())
-        return sha.hexdigest()[:12]
-    return "unknown"
 
 
 def model_name(embedder: Any) -> str:
@@ -118,24 +89,37 @@ def experiment_kwargs(
 
 
 class TraceCache:
-    """Pooled HS and RW per text for one (pooling, prompt, score) setting.
+    """Pooled HS and RW features per text for one feature configuration.
 
     Why: a single forward pass gives both HS and RW, and every method is a row-wise function
     of them (``moee.embed.methods.combine``), so HS, RW, MoEE(concat) and MoEE(sum) of a prompt
     need one pass per distinct text. Rows are stored per text, so the cache is independent
-    of batch composition (embeddings never depend on the batch).
+    of batch composition (embeddings never depend on the batch). The feature configuration is
+    (pooling, prompt, score) plus the recipe options (``config=``: an ``EmbeddingConfig`` whose
+    method, alpha and normalize are ignored); features are kept per ensemble prompt.
     """
 
     def __init__(
-        self, embedder: Any, *, pooling: str = "last", prompt: str | None = None, score: str = DEFAULT_SCORE
+        self,
+        embedder: Any,
+        *,
+        pooling: str = "last",
+        prompt: str | None = None,
+        score: str = DEFAULT_SCORE,
+        config: EmbeddingConfig | None = None,
     ):
-        check_trace_settings(pooling, prompt, score)  # early: a typo must not become a literal prompt
+        if config is None:  # early: a typo must not become a literal prompt
+            config = EmbeddingConfig(pooling=pooling, prompt=prompt, score=score)
         self.embedder = embedder
-        self.pooling = pooling
-        self.prompt = prompt
-        self.score = score
+        self.config = config.replace(method="hs", alpha=1.0, normalize=True)
+        self.pooling, self.prompt, self.score = config.pooling, config.prompt, config.score
         self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.forward_texts = 0  # texts that went through the model (for tests and logs)
+
+    @property
+    def key(self) -> tuple:
+        """The feature configuration (``EmbeddingConfig.feature_key``) the rows belong to."""
+        return self.config.feature_key()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -147,24 +131,20 @@ class TraceCache:
     def _trace(
         self, texts: list[str], batch_size: int, show_progress_bar: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        trace = self.embedder.trace(
-            texts,
-            pooling=self.pooling,
-            prompt=self.prompt,
-            score=self.score,
-            batch_size=batch_size,
-            show_progress_bar=show_progress_bar,
+        hs, rw = self.embedder.features(
+            texts, self.config, batch_size=batch_size, show_progress_bar=show_progress_bar
         )
-        hs = np.asarray(trace.hs, dtype=np.float32)
-        rw = np.asarray(trace.rw, dtype=np.float32)
+        hs = np.asarray(hs, dtype=np.float32)
+        rw = np.asarray(rw, dtype=np.float32)
         if hs.shape[0] != len(texts) or rw.shape[0] != len(texts):
             raise RuntimeError(f"trace returned {hs.shape[0]} / {rw.shape[0]} rows for {len(texts)} texts")
         return hs, rw
 
-    def get(
+    def get_features(
         self, texts: list[str], *, batch_size: int = 32, show_progress_bar: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """HS ``[n, hidden]`` and RW ``[n, L, E]`` for ``texts`` (in order), computing only unseen texts."""
+        """HS ``[n, P, d]`` and RW ``[n, P, L, E]`` (one slice per ensemble prompt) for ``texts``
+        (in order), computing only unseen texts."""
         texts = check_texts(texts)
         missing = list(dict.fromkeys(t for t in texts if t not in self._rows))
         if missing:
@@ -173,10 +153,24 @@ class TraceCache:
                 self._rows[text] = (hs[i], rw[i])
             self.forward_texts += len(missing)
         if not texts:
-            return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)
+            return np.zeros((0, 1, 0), np.float32), np.zeros((0, 1, 0, 0), np.float32)
         hs = np.stack([self._rows[t][0] for t in texts])
         rw = np.stack([self._rows[t][1] for t in texts])
         return hs, rw
+
+    def get(
+        self, texts: list[str], *, batch_size: int = 32, show_progress_bar: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """HS ``[n, hidden]`` and RW ``[n, L, E]`` for ``texts`` (in order), computing only unseen
+        texts; an ensemble's features are averaged over its prompts (what the label-free alpha reads)."""
+        hs, rw = self.get_features(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        if not texts:
+            return np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)
+        if hs.shape[1] == 1:
+            return hs[:, 0], rw[:, 0]
+        return hs.mean(axis=1, dtype=np.float64).astype(np.float32), rw.mean(axis=1, dtype=np.float64).astype(
+            np.float32
+        )
 
 
 class MoEEMTEBEncoder(AbsEncoder):
@@ -222,14 +216,12 @@ class MoEEMTEBEncoder(AbsEncoder):
             if alpha_by_task:
                 raise ValueError("alpha_by_task is only used with alpha='auto'")
             self.alpha_by_task = {}
-        pooling, prompt, score = config.pooling, config.prompt, config.score
         if trace_cache is not None and (
-            trace_cache.embedder is not embedder
-            or (trace_cache.pooling, trace_cache.prompt, trace_cache.score) != (pooling, prompt, score)
+            trace_cache.embedder is not embedder or trace_cache.key != config.feature_key()
         ):
-            raise ValueError("trace_cache belongs to another embedder or (pooling, prompt, score) setting")
+            raise ValueError("trace_cache belongs to another embedder or feature configuration")
         if trace_cache is None:
-            trace_cache = TraceCache(embedder, pooling=pooling, prompt=prompt, score=score)
+            trace_cache = TraceCache(embedder, config=config)
         self.trace_cache = trace_cache
         self.mteb_model_meta = self._build_meta(model_name(embedder), revision or _weights_digest(embedder))
 
@@ -296,10 +288,12 @@ class MoEEMTEBEncoder(AbsEncoder):
     ) -> np.ndarray:
         """Embed plain texts with this configuration (the path ``encode`` takes after unbatching)."""
         alpha = self.alpha_for(task_name) if self.config.uses_alpha else 1.0
-        hs, rw = self.trace_cache.get(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        hs, rw = self.trace_cache.get_features(
+            texts, batch_size=batch_size, show_progress_bar=show_progress_bar
+        )
         if not texts:
             return np.zeros((0, self._embed_dim() or 0), np.float32)
-        return combine(hs, rw, self.method, alpha=alpha, normalize=True)
+        return combine_features(hs, rw, self.method, alpha=alpha, normalize=True)
 
     def encode(
         self,

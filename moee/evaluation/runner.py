@@ -76,7 +76,10 @@ class EvalSettings:
     """Everything that defines an evaluation run (the CLI fills it from its flags).
 
     ``methods`` x ``prompts`` with ``pooling``, ``score`` and ``alpha`` span the configurations
-    (:meth:`config`); ``loading`` says how to load ``model`` (default: on ``device``).
+    (:meth:`config`); a prompt may be a tuple (an ensemble) or ``"stability"``; ``recipe``,
+    ``hs_layer``, ``rw_layers`` and ``reference`` (``moee.embed.recipes``) apply to every
+    configuration and name its result folder; ``loading`` says how to load ``model`` (default: on
+    ``device``).
     """
 
     model: str | None = None
@@ -96,10 +99,23 @@ class EvalSettings:
     command: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     loading: LoadOptions | None = None
+    recipe: str | None = None
+    hs_layer: Any = None
+    rw_layers: Any = None
+    reference: str | None = None
 
-    def config(self, method: str, prompt: str | None) -> EmbeddingConfig:
+    def config(self, method: str, prompt: str | Sequence[str] | None) -> EmbeddingConfig:
         """The configuration of one (method, prompt) cell; alpha only where the method uses it."""
-        config = EmbeddingConfig(method=method, pooling=self.pooling, prompt=prompt, score=self.score)
+        config = EmbeddingConfig(
+            method=method,
+            pooling=self.pooling,
+            prompt=prompt,
+            score=self.score,
+            recipe=self.recipe,
+            hs_layer=self.hs_layer,
+            rw_layers=self.rw_layers,
+            reference=self.reference,
+        )
         return config.replace(alpha=self.alpha) if config.uses_alpha else config
 
     def load_options(self) -> LoadOptions:
@@ -113,7 +129,7 @@ class EvalSettings:
             raise ValueError("prompts must name at least one prompt (use 'none' for no prompt)")
         for m in self.methods:
             for p in self.prompts:
-                EmbeddingConfig(method=m, pooling=self.pooling, prompt=p, score=self.score, alpha=self.alpha)
+                self.config(m, p).replace(alpha=self.alpha)
         check_choice("alpha rule", self.alpha_rule, ALPHA_RULES)
         check_positive_int("batch_size", self.batch_size)
 
@@ -366,6 +382,9 @@ def run_evaluation(
     alpha_path = out / "alpha_choices.json"
     # choices depend on the weights and on how RW/HS are pooled and scored: keyed by all of them
     alpha_key = f"{model_name(embedder)}@{revision} pooling={settings.pooling} score={settings.score}"
+    recipe_part = settings.config("hs", None).recipe_label  # recipes change the features too
+    if recipe_part:
+        alpha_key += f" {recipe_part}"
     all_choices: dict[str, dict[str, dict[str, dict[str, Any]]]] = (
         json.loads(alpha_path.read_text(encoding="utf-8")) if alpha_path.is_file() else {}
     )
@@ -375,8 +394,8 @@ def run_evaluation(
     timings: dict[str, float] = {}
     auto = settings.alpha == AUTO_ALPHA
     for prompt in settings.prompts:
-        prompt_name = prompt or "none"
-        traces = TraceCache(embedder, pooling=settings.pooling, prompt=prompt, score=settings.score)
+        prompt_name = settings.config("hs", prompt).prompt_label
+        traces = TraceCache(embedder, config=settings.config("hs", prompt))
         make = partial(_moee_encoder, embedder, revision, settings, prompt, traces)
         for task in tasks:
             name = task.metadata.name
@@ -436,7 +455,12 @@ def run_evaluation(
         "model_revision": revision,
         "model_training": _training_summary(embedder),
         "methods": list(settings.methods),
-        "prompts": [p or "none" for p in settings.prompts],
+        "prompts": [settings.config("hs", p).prompt_label for p in settings.prompts],
+        **{
+            k: v
+            for k, v in settings.config("hs", None).experiment_kwargs().items()
+            if k in ("recipe", "hs_layer", "rw_layers", "reference")
+        },
         "alpha": settings.alpha,
         "alpha_rule": settings.alpha_rule if settings.alpha == AUTO_ALPHA else None,
         "alpha_choices": {p: {t: c["alpha"] for t, c in d.items()} for p, d in alpha_choices.items()},

@@ -1,0 +1,205 @@
+"""Reference standardisation: per-dimension mean and std of HS and RW, fitted once on a corpus.
+
+The paper z-scores HS and RW with the statistics of the batch being embedded, so a text's vector
+depends on its batch neighbours and a single query cannot be embedded like the corpus. Here the
+statistics are fitted once (``MoEEmbedder.fit_reference`` / ``moee fit-reference``) and applied
+to every text, row by row: ``z = (x - mean) / std`` per dimension, for HS and RW, before the method
+combines them. A text alone gets exactly the vector it gets inside any corpus run.
+
+A reference is two files: ``NAME.safetensors`` (float64 ``hs_mean``, ``hs_std``, ``rw_mean``,
+``rw_std``; RW flattened in layer order) and ``NAME.json`` beside it: format and version, the
+model (name, weights hash), the feature configuration it was fitted under (pooling, prompt
+templates, score, recipe, hs_layer, rw_layers), the number of texts and the moee version. Using a
+reference with another model or another feature configuration is an error that names the
+difference. No pickle anywhere (safetensors + JSON).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["REFERENCE_FORMAT", "Reference", "file_digest", "reference_paths", "weights_digest"]
+
+REFERENCE_FORMAT = "moee-reference"
+REFERENCE_VERSION = 1
+#: A dimension whose reference std is below this is only centred (divided by 1), never blown up.
+MIN_STD = 1e-8
+
+
+def reference_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """(``.safetensors``, ``.json``) of a reference given by either file or by its stem."""
+    path = Path(path)
+    if path.suffix in (".safetensors", ".json"):
+        path = path.with_suffix("")
+    return path.with_name(path.name + ".safetensors"), path.with_name(path.name + ".json")
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """Short sha256 of a reference's tensors: what names result folders (not its path)."""
+    tensors, _ = reference_paths(path)
+    if not tensors.is_file():
+        raise FileNotFoundError(f"reference {tensors} does not exist; write it with moee fit-reference")
+    sha = hashlib.sha256()
+    with tensors.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()[:12]
+
+
+def weights_digest(embedder: Any) -> str:
+    """A short, stable hash of the weights: the mteb revision, and the model a reference belongs to.
+
+    A local model directory is hashed through its weight files (cheap, and identical for
+    every process that loads the same files); an in-memory model through its parameters.
+    """
+    sha = hashlib.sha256()
+    path = getattr(embedder, "name_or_path", None)
+    files: list[Path] = []
+    if path and Path(str(path)).is_dir():
+        files = sorted(Path(str(path)).glob("*.safetensors")) or sorted(Path(str(path)).glob("*.bin"))
+    if files:
+        for file in files:
+            sha.update(file.name.encode())
+            with file.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    sha.update(chunk)
+        return sha.hexdigest()[:12]
+    model = getattr(embedder, "model", None)
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None)
+    if commit:
+        return str(commit)[:12]
+    if model is not None and hasattr(model, "state_dict"):
+        for name, tensor in sorted(model.state_dict().items()):
+            sha.update(name.encode())
+            sha.update(tensor.detach().float().cpu().numpy().tobytes())
+        return sha.hexdigest()[:12]
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Fitted per-dimension statistics; ``meta`` is the JSON sidecar."""
+
+    hs_mean: np.ndarray
+    hs_std: np.ndarray
+    rw_mean: np.ndarray
+    rw_std: np.ndarray
+    meta: dict[str, Any]
+
+    @classmethod
+    def fit(cls, hs: np.ndarray, rw: np.ndarray, meta: dict[str, Any]) -> Reference:
+        """Statistics of ``hs [n, d]`` and ``rw [n, L, E]`` (float64; population std)."""
+        h = np.asarray(hs, dtype=np.float64).reshape(hs.shape[0], -1)
+        r = np.asarray(rw, dtype=np.float64).reshape(rw.shape[0], -1)
+        if h.shape[0] < 2:
+            raise ValueError(f"a reference needs at least 2 texts, got {h.shape[0]}")
+        if not (np.isfinite(h).all() and np.isfinite(r).all()):
+            raise ValueError("the reference corpus gave NaN or inf features")
+        return cls(h.mean(0), h.std(0), r.mean(0), r.std(0), {"n_texts": int(h.shape[0]), **meta})
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``NAME.safetensors`` + ``NAME.json``; returns the ``.safetensors`` path."""
+        from safetensors.numpy import save_file
+
+        tensors, sidecar = reference_paths(path)
+        tensors.parent.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: np.ascontiguousarray(getattr(self, k)) for k in ("hs_mean", "hs_std", "rw_mean", "rw_std")},
+            str(tensors),
+        )
+        meta = {
+            "format": REFERENCE_FORMAT,
+            "version": REFERENCE_VERSION,
+            **self.meta,
+            "sha256": file_digest(tensors),
+        }
+        sidecar.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        return tensors
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Reference:
+        """Read a reference (``ValueError`` naming what is wrong with it)."""
+        from safetensors.numpy import load_file
+
+        tensors, sidecar = reference_paths(path)
+        for file in (tensors, sidecar):
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"reference file {file} does not exist; write it with moee fit-reference"
+                )
+        try:
+            meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"reference sidecar {sidecar} is not valid JSON: {exc}") from None
+        if not isinstance(meta, dict) or meta.get("format") != REFERENCE_FORMAT:
+            raise ValueError(f"{sidecar} is not a moee reference (format {REFERENCE_FORMAT!r})")
+        if meta.get("version") != REFERENCE_VERSION:
+            raise ValueError(
+                f"{sidecar} is reference version {meta.get('version')}; this moee reads {REFERENCE_VERSION}"
+            )
+        if meta.get("sha256") not in (None, file_digest(tensors)):
+            raise ValueError(f"{tensors} does not match its sidecar {sidecar} (sha256 differs)")
+        data = load_file(str(tensors))
+        missing = {"hs_mean", "hs_std", "rw_mean", "rw_std"} - set(data)
+        if missing:
+            raise ValueError(f"reference {tensors} lacks {sorted(missing)}")
+        return cls(
+            **{k: data[k].astype(np.float64) for k in ("hs_mean", "hs_std", "rw_mean", "rw_std")}, meta=meta
+        )
+
+    # ------------------------------------------------------------------ use
+    def check(self, revision: str, features: dict[str, Any], path: Any = "") -> None:
+        """Refuse a reference of another model (weights hash) or feature configuration."""
+        model = self.meta.get("model", {})
+        if model.get("revision") != revision:
+            raise ValueError(
+                f"reference {path} was fitted on model {model.get('name')!r} with weights {model.get('revision')}, "
+                f"not on this model (weights {revision}); fit one for this model with moee fit-reference"
+            )
+        fitted = self.meta.get("features", {})
+        if fitted != features:
+            diff = sorted(k for k in set(fitted) | set(features) if fitted.get(k) != features.get(k))
+            details = ", ".join(f"{k}: reference {fitted.get(k)!r} vs now {features.get(k)!r}" for k in diff)
+            raise ValueError(f"reference {path} was fitted under another configuration ({details})")
+
+    def apply(self, hs: np.ndarray, rw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row-wise z-scores of ``hs [n, d]`` and ``rw [n, L, E]`` (shapes kept, float32)."""
+        n = hs.shape[0]
+        h = hs.reshape(n, -1).astype(np.float64)
+        r = rw.reshape(n, -1).astype(np.float64)
+        if h.shape[1] != self.hs_mean.shape[0] or r.shape[1] != self.rw_mean.shape[0]:
+            raise ValueError(
+                f"reference has HS width {self.hs_mean.shape[0]} and RW width {self.rw_mean.shape[0]}, "
+                f"the features have {h.shape[1]} and {r.shape[1]}"
+            )
+        zh = (h - self.hs_mean) / _safe(self.hs_std)
+        zr = (r - self.rw_mean) / _safe(self.rw_std)
+        return zh.astype(np.float32).reshape(hs.shape), zr.astype(np.float32).reshape(rw.shape)
+
+
+def _safe(std: np.ndarray) -> np.ndarray:
+    return np.where(std > MIN_STD, std, 1.0)
+
+
+_CACHE: dict[tuple[str, int, int], Reference] = {}
+
+
+def load_cached(path: str | os.PathLike) -> Reference:
+    """:meth:`Reference.load`, kept per (path, modification time, size) so every batch does not reread it."""
+    tensors, sidecar = reference_paths(path)
+    try:
+        stat = tensors.stat()
+        key = (str(tensors.resolve()), stat.st_mtime_ns, stat.st_size + sidecar.stat().st_size)
+    except OSError:
+        return Reference.load(path)
+    if key not in _CACHE:
+        _CACHE[key] = Reference.load(path)
+    return _CACHE[key]
