@@ -1,0 +1,142 @@
+"""The report page in a real browser: headless Chromium (the system's, driven by Playwright; nothing
+downloads a browser) opens the generated page and checks that no script fails, every figure
+rendered, corpus text shows literally (no alert fires), and hovering a token shows its routing.
+
+The browser is looked up as $MOEE_CHROMIUM, then chromium / chromium-browser / google-chrome on
+PATH; ``scripts/install.sh --dev`` installs Debian's chromium. Without one the test skips and
+says how to install it.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from test_analysis_specialization_page import HOSTILE, E, K, L, compare_report, make_report
+
+from moee.analysis.specialization.html import render_html, token_view_payload
+
+playwright = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
+)
+
+
+def _chromium() -> str | None:
+    found = os.environ.get("MOEE_CHROMIUM")
+    if found:
+        return found
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+CHROMIUM = _chromium()
+if CHROMIUM is None:
+    pytest.skip(
+        "no Chromium found (set MOEE_CHROMIUM, or install it: `bash scripts/install.sh --dev` or "
+        "`apt-get install chromium`)",
+        allow_module_level=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _open(browser, tmp_path, page_html: str):
+    """Load ``page_html`` from a file; returns the page and the console errors, uncaught
+    exceptions and dialogs (alert/confirm) seen so far (lists that keep filling)."""
+    path = tmp_path / "report.html"
+    path.write_text(page_html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.set_default_timeout(5000)  # a missing element fails fast, not after 30 s
+    problems: list[str] = []
+    page.on(
+        "console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None
+    )
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+
+    def dialog(d):
+        problems.append(f"dialog {d.type}: {d.message}")
+        d.dismiss()
+
+    page.on("dialog", dialog)
+    page.goto(path.as_uri())
+    page.wait_for_load_state("load")
+    return page, problems
+
+
+def _every_figure_rendered(page) -> None:
+    n_figures = page.locator("figure img").count()
+    assert n_figures >= 6
+    widths = page.evaluate("Array.from(document.images).map(i => i.complete ? i.naturalWidth : 0)")
+    assert len(widths) == n_figures and all(w > 0 for w in widths), widths
+
+
+def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path):
+    report = make_report()
+    payload = token_view_payload(report)
+    page, problems = _open(browser, tmp_path, render_html(report))
+    _every_figure_rendered(page)
+    view = page.locator("#token-view")
+    assert view.get_attribute("data-ready") == "1"
+    tokens = page.locator("[data-token]")
+    assert tokens.count() == payload["n_tokens"]
+    # corpus text shows literally: the hostile lines are text of their token spans
+    texts = tokens.all_text_contents()
+    flat = [t for text in payload["texts"] for t in text["tokens"]]
+    assert texts == [t[0] for t in flat]
+    assert set(HOSTILE) <= set(texts)
+    assert page.locator("img[src='x']").count() == 0
+    # hover: the panel shows the token's top-k in every layer and a bar per expert
+    i = next(j for j, t in enumerate(flat) if t[0] == HOSTILE[0])
+    tokens.nth(i).hover()
+    panel = page.locator(".tv-panel")
+    assert HOSTILE[0] in panel.locator(".tv-head").text_content()
+    rows = panel.locator(".tv-row")
+    assert rows.count() == L
+    _, selected, dense, predicted = flat[i]
+    for layer in range(L):
+        row = rows.nth(layer)
+        assert row.locator("rect").count() == E
+        expected = ", ".join(f"E{e} {dense[layer][e] / 1000:.3f}" for e in selected[layer])
+        assert row.locator(".tv-topk").text_content() == f"top-{K}: {expected}"
+    assert panel.locator(".tv-pred").text_content() == f"predicted next token: {json.dumps(predicted)}"
+    # another token replaces it; a click pins it against further hovers
+    tokens.nth(0).hover()
+    assert panel.locator(".tv-head").text_content().startswith("token 0:")
+    tokens.nth(1).click()
+    tokens.nth(2).hover()
+    assert panel.locator(".tv-head").text_content().startswith("token 1:")
+    # layer selector recolours by the chosen layer's first choice; the filter dims the misses
+    colours = lambda: tokens.evaluate_all("ts => ts.map(t => t.style.backgroundColor)")  # noqa: E731
+    before = colours()
+    page.select_option(".tv-layer", "0")
+    firsts = [t[1][0][0] for t in flat]
+    after = colours()
+    assert after != before
+    assert len({c for c, f in zip(after, firsts) if f == firsts[0]}) == 1  # one colour per expert
+    page.select_option(".tv-filter", "2")
+    dimmed = tokens.evaluate_all("ts => ts.map(t => t.classList.contains('dim'))")
+    assert dimmed == [2 not in t[1][0] for t in flat]
+    assert problems == []
+
+
+def test_compare_page_runs_both_token_views(browser, tmp_path):
+    a, b = make_report(seed=0), make_report(n_texts=3, seed=1)
+    page_html = render_html(compare_report(a, b))
+    page, problems = _open(browser, tmp_path, page_html)
+    _every_figure_rendered(page)
+    views = page.locator(".token-view[data-ready='1']")
+    assert views.count() == 2
+    second = views.nth(1)
+    second.locator("[data-token]").nth(0).hover()
+    assert second.locator(".tv-row").count() == L
+    assert views.nth(0).locator(".tv-row").count() == 0  # the first view's panel is untouched
+    assert problems == []
