@@ -30,8 +30,8 @@
   }
 
   function bars(dense, selected, scale, n) {
-    var bw = Math.max(2, Math.min(8, Math.floor(256 / n)));
-    var h = 26;
+    var bw = Math.max(3, Math.min(20, Math.floor(256 / n)));
+    var h = 30;
     var svg = document.createElementNS(SVG, "svg");
     svg.setAttribute("width", String(bw * n));
     svg.setAttribute("height", String(h));
