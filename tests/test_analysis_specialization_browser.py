@@ -80,13 +80,17 @@ def _every_figure_rendered(page) -> None:
 
 
 def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path):
-    report = make_report()
+    """The two-model page (each section twice, two token views) of hand-made reports whose corpus
+    holds markup: the first view in detail, the second independent of it. One page, to keep the
+    test fast; the single-model page is the next test's."""
+    report, other = make_report(), make_report(n_texts=3, seed=1)
     payload = token_view_payload(report)
-    page, problems = _open(browser, tmp_path, render_html(report))
+    page, problems = _open(browser, tmp_path, render_html(compare_report(report, other)))
     _every_figure_rendered(page)
-    view = page.locator("#token-view")
-    assert view.get_attribute("data-ready") == "1"
-    tokens = page.locator("[data-token]")
+    views = page.locator(".token-view[data-ready='1']")
+    assert views.count() == 2
+    view = views.nth(0)
+    tokens = view.locator("[data-token]")
     assert tokens.count() == payload["n_tokens"]
     # corpus text shows literally: the hostile lines are text of their token spans
     texts = tokens.all_text_contents()
@@ -97,7 +101,7 @@ def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path)
     # hover: the panel shows the token's top-k in every layer and a bar per expert
     i = next(j for j, t in enumerate(flat) if t[0] == HOSTILE[0])
     tokens.nth(i).hover()
-    panel = page.locator(".tv-panel")
+    panel = view.locator(".tv-panel")
     assert HOSTILE[0] in panel.locator(".tv-head").text_content()
     rows = panel.locator(".tv-row")
     assert rows.count() == L
@@ -117,26 +121,44 @@ def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path)
     # layer selector recolours by the chosen layer's first choice; the filter dims the misses
     colours = lambda: tokens.evaluate_all("ts => ts.map(t => t.style.backgroundColor)")  # noqa: E731
     before = colours()
-    page.select_option(".tv-layer", "0")
+    view.locator(".tv-layer").select_option("0")
     firsts = [t[1][0][0] for t in flat]
     after = colours()
     assert after != before
     assert len({c for c, f in zip(after, firsts) if f == firsts[0]}) == 1  # one colour per expert
-    page.select_option(".tv-filter", "2")
+    view.locator(".tv-filter").select_option("2")
     dimmed = tokens.evaluate_all("ts => ts.map(t => t.classList.contains('dim'))")
     assert dimmed == [2 not in t[1][0] for t in flat]
-    assert problems == []
-
-
-def test_compare_page_runs_both_token_views(browser, tmp_path):
-    a, b = make_report(seed=0), make_report(n_texts=3, seed=1)
-    page_html = render_html(compare_report(a, b))
-    page, problems = _open(browser, tmp_path, page_html)
-    _every_figure_rendered(page)
-    views = page.locator(".token-view[data-ready='1']")
-    assert views.count() == 2
+    # the second view has its own data and panel
     second = views.nth(1)
     second.locator("[data-token]").nth(0).hover()
     assert second.locator(".tv-row").count() == L
-    assert views.nth(0).locator(".tv-row").count() == 0  # the first view's panel is untouched
+    assert second.locator(".tv-head").text_content().startswith("token 0:")
+    assert panel.locator(".tv-head").text_content().startswith("token 1:")  # still the pinned one
+    assert problems == []
+
+
+def test_the_page_written_for_a_real_model_works(browser, tmp_path, tiny_embedder):
+    """The page ``write_report`` writes for the tiny OLMoE: no script error, every figure drawn,
+    and hovering a token shows the selected experts report.json holds for it."""
+    from moee.analysis.specialization import build_report, write_report
+    from moee.capture.tiny import TINY_WORDS
+
+    texts = [" ".join(TINY_WORDS[(5 * i + 3 * j) % len(TINY_WORDS)] for j in range(4 + i)) for i in range(6)]
+    report = build_report(tiny_embedder, texts, progress=False, min_token_count=1, permutations=2)
+    report["meta"] = {"command": "moee report <tiny>"}  # what the command adds
+    paths = write_report(report, tmp_path / "out")
+    page, problems = _open(browser, tmp_path, paths["html"].read_text(encoding="utf-8"))
+    _every_figure_rendered(page)
+    tv = json.loads(paths["json"].read_text())["token_view"]["texts"][0]
+    tokens = page.locator("[data-token]")
+    assert tokens.nth(0).text_content() == tv["tokens"][0]
+    tokens.nth(0).hover()
+    rows = page.locator(".tv-panel .tv-row")
+    n_layers = report["summary"]["n_layers"]
+    assert rows.count() == n_layers
+    for layer in range(n_layers):
+        experts = [f"E{e} " for e in tv["selected"][0][layer]]
+        text = rows.nth(layer).locator(".tv-topk").text_content()
+        assert [part.split(" ")[0] + " " for part in text.split(": ", 1)[1].split(", ")] == experts
     assert problems == []

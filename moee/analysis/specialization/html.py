@@ -77,6 +77,11 @@ def _plt():
 def _figure(fig, alt: str, caption: str = "") -> str:
     """A matplotlib figure as an inline PNG ``<figure>``; ``caption`` is markup written by this
     module (never corpus text)."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:  # layer axes count layers: integer ticks only
+        if "layer" in ax.get_xlabel():
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     cap = f"<figcaption>{caption}</figcaption>" if caption else ""
     return (
         f'<figure class=\'fig\'><img alt="{esc(alt)}" src="data:image/png;base64,{_png(fig)}">{cap}</figure>'
@@ -841,7 +846,7 @@ def _cross_layer(report: dict, page: Page) -> str:
         "lift = C/X over pairs with X &ge; 5; both beside the permutation baseline (layer l+1's routes "
         "shuffled against layer l's).</p>",
         _table(
-            ["layers", "excess", "baseline", "max lift", "baseline", "top pairs a&rarr;b lift (P(b|a))"],
+            ["layers", "excess", "baseline", "max lift", "baseline", "top pairs a→b lift (P(b|a))"],
             [
                 [
                     f"{p['layers'][0]}&rarr;{p['layers'][1]}",
