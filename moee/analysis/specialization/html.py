@@ -185,6 +185,24 @@ def _summary(report: dict, page: Page) -> str:
             ],
         )
     ]
+    lifts = _lifts(report)
+    if lifts:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for name, values in lifts.items():
+            ax.plot(range(len(values)), _nan(values), marker="o", label=name)
+        ax.axhline(1.0, color="gray", linestyle=":", label="at its baseline")
+        ax.set_xlabel("MoE layer")
+        ax.set_ylabel("statistic / baseline")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        parts.append(
+            _figure(
+                fig,
+                "specialisation over baseline",
+                "At a glance: each specialisation statistic over its permutation baseline, per layer "
+                "(1 = what routing that ignores the tokens, domains or positions would score).",
+            )
+        )
     meta = report.get("meta", {})
     if meta:
         parts.append(
@@ -193,6 +211,31 @@ def _summary(report: dict, page: Page) -> str:
             f"<code>{esc(json.dumps(meta.get('versions', {})))}</code></p>"
         )
     return "".join(parts)
+
+
+def _ratio(x, base):
+    return x / base if x is not None and base else None
+
+
+def _lifts(report: dict) -> dict[str, list]:
+    """Per layer, statistic / permutation baseline of the specialisation statistics the report has."""
+    out = {}
+    voc = report.get("vocabulary", {}).get("by_layer")
+    if voc:
+        out["vocabulary max ratio"] = [_ratio(v["weighted_max_ratio"], v.get("baseline")) for v in voc]
+    ts = report.get("token_specialization", {}).get("by_key", {})
+    for key, v in ts.items():
+        if v.get("available"):
+            out[f"{key}-token max fraction"] = [
+                _ratio(r["weighted_max_fraction"], r["weighted_max_fraction_baseline"]) for r in v["by_layer"]
+            ]
+    spec = report.get("domains", {}).get("specialization_by_layer")
+    if report.get("domains", {}).get("available") and spec:
+        out["domain JSD"] = [_ratio(r["jsd"], r["jsd_baseline"]) for r in spec]
+    rep = report.get("repetition", {}).get("by_layer")
+    if rep:
+        out["repetition"] = [_ratio(r["rate"], r["baseline"]) for r in rep]
+    return {k: v for k, v in out.items() if any(x is not None for x in v)}
 
 
 def _baselines(report: dict, page: Page) -> str:
@@ -293,6 +336,29 @@ def _experts(report: dict, page: Page) -> str:
         "the positions with the highest router probability for the expert; the routed token is "
         "highlighted.</p>"
     ]
+    plt = _plt()
+    conc = np.asarray(
+        [
+            [
+                (ex["top_tokens"][0]["count"] / ex["load"]) if ex["load"] and ex["top_tokens"] else np.nan
+                for ex in row
+            ]
+            for row in report["experts"]
+        ],
+        dtype=float,
+    )
+    fig, ax = plt.subplots(figsize=(min(12, 2 + conc.shape[1] * 0.15), 0.8 + conc.shape[0] * 0.3))
+    im = ax.imshow(conc, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    fig.colorbar(im, ax=ax, label="top token's share of load")
+    parts.append(
+        _figure(
+            fig,
+            "token concentration of each expert",
+            "How much of each expert's load is its single most frequent token (1 = a one-token expert).",
+        )
+    )
     for layer in show:
         rows = []
         for ex in report["experts"][layer]:
@@ -435,7 +501,32 @@ def _vocabulary(report: dict, page: Page) -> str:
                 for v in voc["by_layer"]
             ],
         )
+        + _baseline_plot(
+            [v["layer"] for v in voc["by_layer"]],
+            {
+                "weighted max ratio": (
+                    [v["weighted_max_ratio"] for v in voc["by_layer"]],
+                    [v.get("baseline") for v in voc["by_layer"]],
+                )
+            },
+            "vocabulary specialization",
+            "Token-weighted max<sub>E</sub> N_k(x,E)/N_x per layer; dashed: its permutation baseline.",
+        )
     )
+
+
+def _baseline_plot(
+    xs: Sequence[int], series: dict[str, tuple[Sequence, Sequence]], alt: str, caption: str
+) -> str:
+    """One line per statistic over MoE layers with its baseline dashed in the same colour."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    for name, (values, baseline) in series.items():
+        line = ax.plot(xs, _nan(values), marker="o", label=name)[0]
+        ax.plot(xs, _nan(baseline), linestyle="--", color=line.get_color(), label=f"{name}: permutation")
+    ax.set_xlabel("MoE layer")
+    ax.legend(fontsize=7)
+    return _figure(fig, alt, caption)
 
 
 def _coactivation(report: dict, page: Page) -> str:
