@@ -1023,20 +1023,22 @@ def _compare(report: dict, page: Page) -> str | None:
         )
     else:
         metrics = [m for m in diffs[0] if m != "layer"]
-        fig, axes = _grid(len(metrics), cols=3, w=3.6, h=2.4)
-        xs = [r["layer"] for r in diffs]
-        for ax, m in zip(axes, metrics):
-            v = _nan(r[m] for r in diffs)
-            ax.bar(xs, np.nan_to_num(v), color=np.where(np.nan_to_num(v) >= 0, "#1f77b4", "#d62728"))
-            ax.axhline(0, color="black", linewidth=0.8)
-            ax.set_title(f"B - A: {m.replace('_', ' ')}", fontsize=8)
-            ax.tick_params(labelsize=7)
-        fig.supxlabel("MoE layer", fontsize=8)
+        plotted = [m for m in metrics if any(r[m] is not None for r in diffs)]  # all-undefined: table only
         parts.append("<h3>Differences per layer (B - A)</h3>")
         parts.append(
             _table(["layer", *metrics], [[r["layer"], *[_fmt(r[m], 4) for m in metrics]] for r in diffs])
         )
-        parts.append(_figure(fig, "differences B - A", "Per-layer statistics of B minus those of A."))
+        if plotted:
+            fig, axes = _grid(len(plotted), cols=3, w=3.6, h=2.6)
+            xs = [r["layer"] for r in diffs]
+            for ax, m in zip(axes, plotted):
+                v = np.nan_to_num(_nan(r[m] for r in diffs))
+                ax.bar(xs, v, color=np.where(v >= 0, "#1f77b4", "#d62728"))
+                ax.axhline(0, color="black", linewidth=0.8)
+                ax.set_title(f"B - A: {m.replace('_', ' ')}", fontsize=8)
+                ax.set_xlabel("MoE layer", fontsize=7)
+                ax.tick_params(labelsize=7)
+            parts.append(_figure(fig, "differences B - A", "Per-layer statistics of B minus those of A."))
     so = cmp.get("selection_overlap") or {}
     parts.append("<h3>Same tokens, same experts</h3>")
     if not so.get("available"):
