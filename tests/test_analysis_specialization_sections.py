@@ -12,7 +12,6 @@ from moee.analysis.specialization.statistics import (
     _generalized_jsd,
     _overlap,
     _token_specialization_stats,
-    _top_n_mean,
     _transition_stats,
 )
 
@@ -65,7 +64,12 @@ def test_expert_specialization_is_the_mean_of_its_top_n_fractions_with_missing_a
     weighted, spec = _token_specialization_stats(iter([(0, 2, counts)]), sizes, n_top=2)
     assert weighted[0] == pytest.approx((4 * 1.0 + 2 * 0.5) / 6)
     np.testing.assert_allclose(spec[0], [(1.0 + 0.5) / 2, (0.5 + 0.0) / 2, 0.0])
-    np.testing.assert_allclose(_top_n_mean(np.array([[0.2], [0.9], [0.4]]), 2), [0.65])
+    # fewer types than n_top: the missing slots count 0 (sum / n_top, not the mean of what exists)
+    _, spec = _token_specialization_stats(iter([(0, 2, counts)]), sizes, n_top=4)
+    np.testing.assert_allclose(spec[0], [(1.0 + 0.5) / 4, 0.5 / 4, 0.0])
+    # blocks merge: the same answer when the types arrive in two blocks
+    _, split = _token_specialization_stats(iter([(0, 1, counts[:1]), (1, 2, counts[1:])]), sizes, n_top=4)
+    np.testing.assert_allclose(split, spec[None])
 
 
 def test_token_specialization_baseline_is_the_exact_permutation_expectation():
@@ -80,15 +84,19 @@ def test_token_specialization_baseline_is_the_exact_permutation_expectation():
 
 # ----------------------------------------------------------------- router entropy
 def test_router_entropy_and_kl_on_known_distributions():
-    p = np.array([[[0.5, 0.5, 0.0, 0.0]], [[0.25, 0.25, 0.25, 0.25]]])  # T=2, L=1, E=4
+    p = np.array([[[0.6, 0.2, 0.1, 0.1]], [[0.25, 0.25, 0.25, 0.25]]])  # T=2, L=1, E=4
     acc = SpecializationAccumulator(1, 4, 2, permutations=1)
     acc.update(np.array([1, 2]), p, text_index=0, selected=np.array([[[0, 1]], [[2, 3]]]))
     ent = acc.result(decode, min_token_count=1)["router_entropy"]
     row = ent["by_layer"][0]
-    assert row["dense_entropy"] == pytest.approx((np.log(2) + np.log(4)) / 2)
-    assert row["dense_kl_uniform"] == pytest.approx(np.log(4) - (np.log(2) + np.log(4)) / 2)
-    assert row["selection_entropy"] == pytest.approx(np.log(2))  # equal weights on both picks
-    assert row["selection_kl_uniform"] == pytest.approx(0.0, abs=1e-12)
+    h0 = -(p[0, 0] * np.log(p[0, 0])).sum()
+    assert row["dense_entropy"] == pytest.approx((h0 + np.log(4)) / 2)
+    assert row["dense_kl_uniform"] == pytest.approx(np.log(4) - (h0 + np.log(4)) / 2)
+    # the selection renormalised: token 0 weighs its picks 0.75 / 0.25, token 1 equally
+    w = np.array([0.75, 0.25])
+    sel_h = (-(w * np.log(w)).sum() + np.log(2)) / 2
+    assert row["selection_entropy"] == pytest.approx(sel_h)
+    assert row["selection_kl_uniform"] == pytest.approx(np.log(2) - sel_h)
     assert row["load_kl_uniform"] == pytest.approx(0.0, abs=1e-12)  # every expert once
     assert ent["baseline"]["dense_entropy"] == pytest.approx(np.log(4))
 
@@ -108,6 +116,18 @@ def test_cross_layer_pairs_find_a_deterministic_successor():
     assert {(p["a"], (p["a"] + 1) % 4) == (p["a"], p["b"]) for p in pair["top_pairs"][:4]} == {True}
 
 
+def test_cross_layer_excess_of_repeated_top2_sets_is_one_half():
+    """k = 2: half the tokens select {0, 1} in both layers, half {2, 3}. C is N/2 on the 8 in-block
+    cells, 0 elsewhere; X = N/4 everywhere: TV = 16 (N/4) / (2 N k^2) = 1/2."""
+    sets = np.array([[0, 1], [2, 3]] * 50)
+    sel = np.stack([sets, sets], axis=1)  # [N, L=2, k=2]
+    acc = SpecializationAccumulator(2, 4, 2, permutations=3)
+    acc.update(np.arange(100) % 5, np.full((100, 2, 4), 0.25), text_index=0, selected=sel)
+    pair = acc.result(decode, min_token_count=1)["cross_layer"]["pairs"][0]
+    assert pair["excess"] == pytest.approx(0.5) and pair["max_lift"] == pytest.approx(2.0)
+    assert pair["top_pairs"][0]["p_b_given_a"] == pytest.approx(1.0)
+
+
 def test_transition_stats_of_an_independent_table_are_zero():
     joint = np.outer([10, 30], [20, 20]) // 40  # C = X exactly (N = 40 tokens, k = 1)
     st = _transition_stats(joint, n_tokens=40, k=1)
@@ -118,6 +138,11 @@ def test_transition_stats_of_an_independent_table_are_zero():
 def test_domain_jsd_known_values():
     assert _generalized_jsd(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1, 1])) == pytest.approx(np.log(2))
     assert _generalized_jsd(np.array([[0.3, 0.7], [0.3, 0.7]]), np.array([2, 5])) == pytest.approx(0.0)
+    # disjoint supports: the JSD is the entropy of the weights
+    w = np.array([0.25, 0.75])
+    assert _generalized_jsd(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1, 3])) == pytest.approx(
+        -(w * np.log(w)).sum()
+    )
     acc = SpecializationAccumulator(1, 2, 1, permutations=50)
     acc.update(np.arange(20), one_hot(np.zeros((20, 1), int), 2), text_index=0, domain="a")
     acc.update(np.arange(20), one_hot(np.ones((20, 1), int), 2), text_index=1, domain="b")
@@ -145,11 +170,12 @@ def test_overlap_known_answers():
     top1, topk, top1_null, topk_null = _overlap(ref, ref, first, first)
     assert top1[0] == 1.0 and topk[0] == 1.0
     other = np.array([[[0, 2]], [[1, 3]]])
-    top1, topk, *_ = _overlap(ref, other, first, other[:, :, 0])
+    assert top1_null[0] == pytest.approx(0.5)  # first choices 0, 2 against themselves
+    top1, topk, top1_null, topk_null = _overlap(ref, other, first, other[:, :, 0])
     assert top1[0] == 0.5 and topk[0] == pytest.approx(0.5)  # {0} and {3} shared
-    # null: product of marginals; every expert once in ref and other: sum_e (1/2)(1/2) / k
+    # null: product of marginals; every expert in half the sets of both: sum_e (1/2)(1/2) / k
     assert topk_null[0] == pytest.approx(4 * 0.25 / 2)
-    assert top1_null[0] == pytest.approx(2 * 0.25)  # first choices 0, 2 in both
+    assert top1_null[0] == pytest.approx(0.25)  # ref first choices {0, 2}, other's {0, 1}: only 0 shared
 
 
 # ----------------------------------------------------------------- with a model
@@ -211,7 +237,7 @@ def test_report_cli_with_checkpoints_and_compare(tmp_path, tiny):
     from moee.cli import main
 
     ckpts = []
-    for step, seed in ((30, 0), (10, 1), (20, 2)):  # given out of order: sorted by step
+    for step, seed in ((40, 0), (10, 1), (20, 2)):  # given out of order: sorted by step
         path = tmp_path / f"step_{step:08d}"
         tiny_model("olmoe", n_layers=2, seed=seed).save_pretrained(path)
         tiny.tokenizer.save_pretrained(path)
@@ -235,8 +261,8 @@ def test_report_cli_with_checkpoints_and_compare(tmp_path, tiny):
     assert main([*args, "--checkpoints", *ckpts, "--compare", ckpts[1]]) == 0
     rep = json.loads((out / "report.json").read_text())
     sat = rep["saturation"]
-    assert sat["available"] and [c["step"] for c in sat["checkpoints"]] == [10, 20, 30]
-    assert [c["fraction_of_training"] for c in sat["checkpoints"]] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert sat["available"] and [c["step"] for c in sat["checkpoints"]] == [10, 20, 40]
+    assert [c["fraction_of_training"] for c in sat["checkpoints"]] == pytest.approx([0.25, 0.5, 1.0])
     assert sat["final"] == ckpts[0] and sat["mean_topk"][-1] == 1.0 and sat["mean_topk"][0] < 1.0
     assert sat["random_baseline"] == {"top1": 1 / 8, "topk": 2 / 8}
     assert rep["summary"]["model"] == ckpts[0]  # without --model: the final checkpoint's report

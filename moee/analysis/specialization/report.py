@@ -450,9 +450,7 @@ def build_report(
     if acc.n_texts == 0:
         raise ValueError("the corpus holds no texts")
     decode = _decoder(embedder.tokenizer)
-    if progress:
-        logger.info("statistics and permutation baselines (%d draws)", permutations)
-    report = acc.result(decode, min_token_count=min_token_count)
+    report = acc.result(decode, min_token_count=min_token_count, progress=progress)
     if not predictions.available:
         report["token_specialization"]["by_key"]["predicted"]["reason"] = predictions.reason
     report["saturation"] = {"available": False, "reason": "no checkpoints given (--checkpoints)"}

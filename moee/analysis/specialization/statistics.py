@@ -195,16 +195,6 @@ def _permuted_group_max(
     return out
 
 
-def _top_n_mean(fractions: np.ndarray, n: int) -> np.ndarray:
-    """Mean of the ``n`` largest values along axis 0 (missing values count as 0): an expert's
-    specialization is the mean fraction of its ``n`` most specialised token types."""
-    if fractions.shape[0] == 0:
-        return np.zeros(fractions.shape[1:])
-    m = min(n, fractions.shape[0])
-    top = -np.partition(-fractions, m - 1, axis=0)[:m]
-    return top.sum(axis=0) / n
-
-
 def _token_specialization_stats(
     groups: Iterator[tuple[int, int, np.ndarray]], sizes: np.ndarray, n_top: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -556,6 +546,7 @@ class SpecializationAccumulator:
         min_token_count: int = 5,
         n_coactivation_pairs: int = 10,
         n_specialization_tokens: int = 10,
+        progress: bool = False,
     ) -> dict:
         """Every report section except ``meta``, ``saturation`` and ``token_view`` (the driver's,
         they need other models or the texts) as plain JSON-ready Python objects."""
@@ -585,7 +576,7 @@ class SpecializationAccumulator:
         token, lay, exp_, cnt, n_x = self.vocabulary_counts()
         experts = self._experts_section(decode, token, lay, exp_, cnt, n_x, n_top_tokens, min_token_count)
         vocabulary = self._vocabulary_section(decode, token, lay, exp_, cnt, n_x, min_token_count)
-        base = self.baselines(min_token_count, n_specialization_tokens)
+        base = self.baselines(min_token_count, n_specialization_tokens, progress=progress)
         for entry, value in zip(vocabulary["by_layer"], base["vocabulary"]):
             entry["baseline"] = value
         names = sorted(self.domain_tokens)
@@ -831,7 +822,7 @@ class SpecializationAccumulator:
                 matrices[str(layer)] = lift.round(3).tolist()
         return {"pairs": pairs, "heatmap_layers": show, "matrices": matrices}
 
-    def baselines(self, min_token_count: int = 5, n_top: int = 10) -> dict:
+    def baselines(self, min_token_count: int = 5, n_top: int = 10, *, progress: bool = False) -> dict:
         """Every statistic's value under the null "routing does not depend on X", computed the way
         the statistic is computed, by permutation (seeded, mean over ``permutations`` draws):
 
@@ -856,16 +847,21 @@ class SpecializationAccumulator:
         names = sorted(self.domain_tokens)
         dom_sizes = np.array([self.domain_tokens[d] for d in names], dtype=np.int64)
         P = self.permutations
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=P * (len(TOKEN_KEYS) + 1) + 2 * (L - 1), desc="baselines", disable=not progress)
         token_spec = {}
         for key in TOKEN_KEYS:
             sizes = self.type_sizes(key, min_token_count)
             if not sizes.size:
                 token_spec[key] = None
                 continue
-            runs = [
-                _token_specialization_stats(_permuted_group_counts(sizes, sample, E, rng), sizes, n_top)
-                for _ in range(P)
-            ]
+            runs = []
+            for _ in range(P):
+                runs.append(
+                    _token_specialization_stats(_permuted_group_counts(sizes, sample, E, rng), sizes, n_top)
+                )
+                bar.update(1)
             token_spec[key] = (
                 np.mean([r[0] for r in runs], axis=0),
                 np.mean([r[1] for r in runs], axis=0),
@@ -879,6 +875,7 @@ class SpecializationAccumulator:
                     counts[g0:g1] = c
                 doms[i] = counts.max(axis=2) / dom_sizes[:, None]
                 jsd[i] = self._domain_jsd(counts)
+            bar.update(1)
         agreement = []
         for layer in range(L - 1):
             joint = self.layer_joint[layer]
@@ -889,6 +886,7 @@ class SpecializationAccumulator:
                     float(np.mean([_matched_from_table(t) for t in runs])),
                 )
             )
+            bar.update(1)
         R = sample.shape[0]
         cross = []
         for layer in range(L - 1):
@@ -898,10 +896,12 @@ class SpecializationAccumulator:
                 )
                 for _ in range(P)
             ]
+            bar.update(1)
             lifts = [st["max_lift"] for st in stats if st["max_lift"] is not None]
             cross.append(
                 (float(np.mean([st["excess"] for st in stats])), float(np.mean(lifts)) if lifts else None)
             )
+        bar.close()
         c = self.first.astype(np.float64)
         repetition = ((c * (c - 1)).sum(axis=1) / (N * (N - 1))).tolist() if N > 1 else [0.0] * L
         vocab = token_spec["input"]
