@@ -69,7 +69,7 @@ def test_expert_specialization_is_the_mean_of_its_top_n_fractions_with_missing_a
     np.testing.assert_allclose(spec[0], [(1.0 + 0.5) / 4, 0.5 / 4, 0.0])
     # blocks merge: the same answer when the types arrive in two blocks
     _, split = _token_specialization_stats(iter([(0, 1, counts[:1]), (1, 2, counts[1:])]), sizes, n_top=4)
-    np.testing.assert_allclose(split, spec[None])
+    np.testing.assert_allclose(split, spec)
 
 
 def test_token_specialization_baseline_is_the_exact_permutation_expectation():

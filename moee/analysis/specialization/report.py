@@ -767,9 +767,17 @@ def compare_section(report_a: dict, report_b: dict, overlap: dict, labels: Seque
     }
 
 
+def _json_value(value):
+    """numpy scalars and arrays as their Python values (``json.dump``'s ``default``)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"report value of type {type(value).__name__} is not JSON serialisable")
+
+
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write ``report.json`` and the self-contained ``report.html`` into ``out_dir``."""
-    from moee.io import write_json_atomic
+    import os
+    import tempfile
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -777,6 +785,16 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     if missing:
         raise ValueError(f"report is missing sections: {missing}")
     json_path, html_path = out / "report.json", out / "report.html"
-    write_json_atomic(json_path, report)
+    # compact: the token view and the per-expert tables are long lists that indentation would
+    # spread over one line per number (several times the size); written to a temporary file and
+    # renamed, so a reader never sees half a report
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".report.", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, separators=(",", ":"), default=_json_value)
+        os.replace(tmp, json_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     html_path.write_text(render_html(report), encoding="utf-8")
     return {"json": json_path, "html": html_path}
