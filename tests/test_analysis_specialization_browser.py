@@ -72,11 +72,27 @@ def _open(browser, tmp_path, page_html: str):
     return page, problems
 
 
+#: Per image: its natural width and the alpha of its last row's pixels (matplotlib figures are
+#: opaque, so a truncated or undecodable PNG shows as width 0 or transparent rows).
+_IMAGE_STATE = """async () => Promise.all(Array.from(document.images).map(async (img) => {
+  try { await img.decode(); } catch (e) { return [0, 0]; }
+  const c = document.createElement("canvas");
+  c.width = img.naturalWidth; c.height = img.naturalHeight;
+  const ctx = c.getContext("2d");
+  ctx.drawImage(img, 0, 0);
+  const row = ctx.getImageData(0, c.height - 1, c.width, 1).data;
+  let opaque = 0;
+  for (let i = 3; i < row.length; i += 4) opaque += row[i] === 255 ? 1 : 0;
+  return [img.naturalWidth, opaque / c.width];
+}))"""
+
+
 def _every_figure_rendered(page) -> None:
     n_figures = page.locator("figure img").count()
     assert n_figures >= 6
-    widths = page.evaluate("Array.from(document.images).map(i => i.complete ? i.naturalWidth : 0)")
-    assert len(widths) == n_figures and all(w > 0 for w in widths), widths
+    state = page.evaluate(_IMAGE_STATE)
+    assert len(state) == n_figures
+    assert all(width > 0 and opaque == 1.0 for width, opaque in state), state
 
 
 def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path):
