@@ -10,7 +10,7 @@
 # CPU build where pip's find-links/index offer it, as on these machines). Safe to rerun.
 set -euo pipefail
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 
 extras="[baseline]"  # the main job (moee quickstart) compares against all-MiniLM-L6-v2
 for arg in "$@"; do
