@@ -154,6 +154,7 @@ def _fill_new_sections(rep: dict, rng: np.random.Generator) -> None:
         "specialization_by_layer", [{"layer": i, "jsd": 0.02, "jsd_baseline": 0.01} for i in range(L)]
     )
     checkpoints = [{"name": f"step{s}", "step": s, "fraction_of_training": s / 300} for s in (100, 200, 300)]
+    checkpoints[0]["name"] = HOSTILE[1]  # checkpoint names are user text too
     rep.setdefault(
         "saturation",
         {

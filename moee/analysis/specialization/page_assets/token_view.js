@@ -97,6 +97,7 @@
     var body = el("div", "tv-body");
     var textsBox = el("div", "tv-texts");
     var panel = el("div", "tv-panel");
+    panel.setAttribute("aria-live", "polite");
     panel.appendChild(el("div", "tv-head", "hover a token"));
     data.texts.forEach(function (text) {
       var block = el("div", "tv-text");
