@@ -192,8 +192,9 @@ def _summary(report: dict, page: Page) -> str:
         for name, values in lifts.items():
             ax.plot(range(len(values)), _nan(values), marker="o", label=name)
         ax.axhline(1.0, color="gray", linestyle=":", label="at its baseline")
+        ax.set_yscale("log")  # a JSD lift of 100 beside a vocabulary lift of 4
         ax.set_xlabel("MoE layer")
-        ax.set_ylabel("statistic / baseline")
+        ax.set_ylabel("statistic / baseline (log scale)")
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
         parts.append(
             _figure(

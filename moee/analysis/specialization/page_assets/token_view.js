@@ -156,7 +156,8 @@
         var top = t.selected[l].map(function (ex) {
           return "E" + ex + " " + (t.dense[l][ex] / scale).toFixed(3);
         });
-        row.appendChild(el("span", "tv-topk", "top-" + t.selected[l].length + ": " + top.join(", ")));
+        // "selected", not "top": a router may rank by scores other than these probabilities
+        row.appendChild(el("span", "tv-topk", "selected: " + top.join(", ")));
         panel.appendChild(row);
       }
     }
