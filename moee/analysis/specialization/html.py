@@ -396,21 +396,28 @@ def _domains(report: dict, page: Page) -> str:
     L, E, k = s["n_layers"], s["n_experts"], s["top_k"]
     d = doms["domains"]
     names = list(doms.get("names") or d)
-    fig, axes = _grid(L, cols=2 if len(names) > 6 else 4, w=4.4, h=0.9 + 0.3 * len(names))
-    for ax, layer in zip(axes, range(L)):
+    mats = []
+    for layer in range(L):
         corpus_share = np.asarray(report["layers"][layer]["load_fraction"]) * k  # N_k(E) / N
-        mat = np.divide(
-            np.asarray([d[n]["fraction"][layer] for n in names]),
-            corpus_share,
-            out=np.zeros((len(names), E)),
-            where=corpus_share > 0,
+        mats.append(
+            np.divide(
+                np.asarray([d[n]["fraction"][layer] for n in names]),
+                corpus_share,
+                out=np.zeros((len(names), E)),
+                where=corpus_share > 0,
+            )
         )
-        im = ax.imshow(mat, aspect="auto", cmap="magma", vmin=0)
-        ax.set_yticks(range(len(names)), names, fontsize=7)
+    vmax = max(1.0, float(np.percentile(np.concatenate([m.ravel() for m in mats]), 99)))  # one scale
+    cols = min(4, L)
+    fig, axes = _grid(L, cols=cols, w=3.6, h=0.8 + 0.26 * len(names))
+    for layer, (ax, mat) in enumerate(zip(axes, mats)):
+        im = ax.imshow(mat, aspect="auto", cmap="magma", vmin=0, vmax=vmax)
+        ax.set_yticks(range(len(names)), names if layer % cols == 0 else [], fontsize=7)
         ax.set_title(f"layer {layer}", fontsize=8)
         ax.tick_params(axis="x", labelsize=6)
-        fig.colorbar(im, ax=ax)
-    fig.supxlabel("expert", fontsize=8)
+        if layer >= L - cols:
+            ax.set_xlabel("expert", fontsize=7)
+    fig.colorbar(im, ax=list(axes), fraction=0.02, pad=0.01, label="share / corpus share")
     parts = [
         "<p class='lead'>max<sub>E</sub> N_k(E,D)/N_D per layer (OLMoE paper, section 5), beside its "
         "baseline: the same statistic with the token routes shuffled against the domain labels "
