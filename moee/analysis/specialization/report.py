@@ -777,7 +777,6 @@ def _json_value(value):
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write ``report.json`` and the self-contained ``report.html`` into ``out_dir``."""
     import os
-    import tempfile
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -788,13 +787,13 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     # compact: the token view and the per-expert tables are long lists that indentation would
     # spread over one line per number (several times the size); written to a temporary file and
     # renamed, so a reader never sees half a report
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".report.", suffix=".json")
+    tmp = out / f".report.json.{os.getpid()}.tmp"  # plain open(): the user's umask, like every result file
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(report, fh, separators=(",", ":"), default=_json_value)
         os.replace(tmp, json_path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     html_path.write_text(render_html(report), encoding="utf-8")
     return {"json": json_path, "html": html_path}
