@@ -2,14 +2,15 @@
 # Install moee into the active Python environment (a virtualenv is recommended).
 #
 #   bash scripts/install.sh          # the package, its runtime dependencies and the dense baseline
-#   bash scripts/install.sh --dev    # plus the test tools (pytest, ruff, hypothesis, ...)
+#   bash scripts/install.sh --dev    # plus the test tools (pytest, ruff, hypothesis, playwright, ...)
+#                                    # and Debian's chromium for the report's browser test
 #
 # An existing torch is never replaced, so a GPU user's CUDA build stays in place. Only when
 # `import torch` fails is torch installed first, as $MOEE_TORCH (default torch==2.13.0: the
 # CPU build where pip's find-links/index offer it, as on these machines). Safe to rerun.
 set -euo pipefail
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 
 extras="[baseline]"  # the main job (moee quickstart) compares against all-MiniLM-L6-v2
 for arg in "$@"; do
@@ -32,4 +33,31 @@ else
 fi
 
 "$PYTHON" -m pip install -e ".${extras}"
+
+# The report page's browser test drives the system Chromium with Playwright (never
+# `playwright install`: nothing downloads a browser). Installed from the distribution when missing.
+if [ "$extras" = "[dev]" ]; then
+  chromium="$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)"
+  if [ -n "${MOEE_CHROMIUM:-}" ]; then
+    echo "install.sh: browser tests use MOEE_CHROMIUM=$MOEE_CHROMIUM"
+  elif [ -n "$chromium" ]; then
+    echo "install.sh: browser tests use $chromium"
+  elif ! command -v apt-get >/dev/null 2>&1; then
+    echo "install.sh: no chromium and no apt-get: install Chromium with your package manager (or set" \
+      "MOEE_CHROMIUM to its binary); until then the browser test skips" >&2
+  else
+    sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+      if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; fi
+    fi
+    if [ "$(id -u)" -eq 0 ] || [ -n "$sudo" ]; then
+      echo "install.sh: installing Debian's chromium for the browser test"
+      $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium \
+        || echo "install.sh: apt-get could not install chromium; the browser test will skip" >&2
+    else
+      echo "install.sh: no chromium, and no root or password-less sudo to apt-get it: run" \
+        "'sudo apt-get install chromium' (or set MOEE_CHROMIUM); until then the browser test skips" >&2
+    fi
+  fi
+fi
 "$PYTHON" -c "import moee, torch; print(f'install.sh: moee {moee.__version__} with torch {torch.__version__}')"

@@ -212,7 +212,7 @@ def test_render_html_is_self_contained_with_every_section():
     for section in REPORT_SECTIONS[1:]:
         assert f"id='{section}'" in page
     assert "data:image/png;base64," in page
-    assert 'src="http' not in page and "<script" not in page
+    assert 'src="http' not in page and "<script src" not in page  # the token view's script is inline
     assert "&lt;test&gt;" in page  # escaped
 
 
@@ -629,11 +629,17 @@ def test_baselines_method_block_and_min_token_count():
         "sampled_tokens": 5,  # before the second text
         "exact": True,
         "vocabulary": "routes shuffled against tokens (token types seen >= min_token_count times)",
-        "domains": "token routes shuffled against domain labels",
+        "token_specialization": "routes shuffled against the token of each key (input, next, "
+        "predicted; types seen >= min_token_count times); random routing k/E beside it",
+        "domains": "token routes shuffled against domain labels (max fraction and JSD)",
         "layer_agreement": "first choices of layer l+1 shuffled against layer l (exact margins)",
+        "cross_layer": "top-k sets of layer l+1 shuffled against layer l's within the route sample",
         "repetition": "first choices shuffled against positions (exact expectation)",
         "coactivation": "none by permutation (shuffling routes keeps each token's set); "
-        "reference (k-1)/(E-1) is uniform independent choice",
+        "reference (k-1)/(E-1) is uniform independent choice and (k-1) q_b / (1 - q_a) "
+        "independent choice with the observed loads q",
+        "saturation": "the checkpoint's routes shuffled against the tokens (exact "
+        "expectation: product of the two marginals); random routing 1/E (top-1), k/E (top-k)",
     }
 
 

@@ -9,6 +9,14 @@ tokens, domains, positions or the other layer; ``--permutations`` draws, ``--see
 counted are the router's own choice wherever the capture returns it (re-derived from its scores
 otherwise; the report says which). k defaults to the model's top-k from its config
 (``num_experts_per_tok`` or an equivalent; k = 1 with a warning when the config has none).
+
+Also: token specialization by input, ground-truth next and predicted next token (the LM head
+applied to the same forward), router entropy and KL to uniform, cross-layer expert pairs, the
+domain JSD, co-activation heatmaps and a token view (docs/SPECIALIZATION.md defines each).
+``--checkpoints A B C`` adds router saturation: each checkpoint's top-1 / top-k overlap with the
+final one's on the same tokens (paths, Hub ids or ``name@revision``; the report is of the final
+checkpoint unless ``--model`` is given). ``--compare MODEL_B`` builds B's report on the same
+corpus into the same report.json (``compare``), with the differences and B's selection overlap.
 """
 
 from __future__ import annotations
@@ -37,28 +45,68 @@ def register(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the permutation baselines (default: 0)")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--checkpoints",
+        nargs="+",
+        default=None,
+        metavar="CKPT",
+        help="checkpoints of one model (paths, Hub ids or name@revision) for router saturation",
+    )
+    p.add_argument("--compare", default=None, metavar="MODEL_B", help="a second model or checkpoint")
+    p.add_argument(
+        "--overlap-tokens",
+        type=int,
+        default=65536,
+        help="tokens (first texts) on which saturation / comparison overlaps are measured (default: 65536)",
+    )
+    p.add_argument("--token-view-texts", type=int, default=8, help="texts in the token view (default: 8)")
+    p.add_argument(
+        "--token-view-tokens", type=int, default=256, help="tokens in the token view in all (default: 256)"
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from moee.analysis import command_line
-    from moee.analysis.specialization import build_report, read_corpus, write_report
+    from moee.analysis.specialization import (
+        build_report,
+        compare_section,
+        load_embedder,
+        read_corpus,
+        routing_overlap,
+        saturation_section,
+        write_report,
+    )
     from moee.embed.embedder import MoEEmbedder
     from moee.io import run_metadata
     from moee.loading import LoadOptions
 
-    if args.max_texts is not None and args.max_texts < 1:
-        raise ValueError(f"--max-texts must be >= 1, got {args.max_texts}")
-    corpus = read_corpus(args.corpus, text_field=args.field, domain_field=args.domain_field)
-    embedder = MoEEmbedder.from_pretrained(args.model, LoadOptions.from_args(args))
+    for name in ("max_texts", "overlap_tokens", "token_view_texts", "token_view_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name.startswith("token_view") else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.checkpoints is not None and len(args.checkpoints) < 2:
+        raise ValueError("--checkpoints needs at least two checkpoints (the last one is the final)")
+    options = LoadOptions.from_args(args)
+
+    def corpus():
+        return read_corpus(args.corpus, text_field=args.field, domain_field=args.domain_field)
+
+    if args.model is None and args.checkpoints:
+        embedder = None  # the final checkpoint's report, loaded once the order is known
+    else:
+        embedder = MoEEmbedder.from_pretrained(args.model, options)
+    tokenizer = embedder.tokenizer if embedder is not None else None
+
+    def load(spec):
+        return load_embedder(spec, options, tokenizer=tokenizer)
+
     total = None
     if Path(args.corpus).suffix.lower() in (".txt", ".jsonl", ".ndjson"):  # one text a line: cheap to count
         with open(args.corpus, "rb") as fh:
             total = sum(1 for _ in fh)
-    report = build_report(
-        embedder,
-        corpus,
+    settings = dict(
         top_k=args.top_k,
         batch_size=args.batch_size,
         max_texts=args.max_texts,
@@ -66,17 +114,72 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=True,
         total=total,
+        token_view_texts=args.token_view_texts,
+        token_view_tokens=args.token_view_tokens,
     )
+
+    def limited():
+        rows = corpus()
+        if args.max_texts is None:
+            return rows
+        import itertools
+
+        return itertools.islice(rows, args.max_texts)
+
+    saturation = None
+    if args.checkpoints:
+        k = args.top_k
+        if k is None:
+            probe = embedder or load(args.checkpoints[-1])
+            from moee.analysis.specialization.report import _resolve_top_k
+
+            k = _resolve_top_k(probe, None)[0]
+        saturation = saturation_section(
+            args.checkpoints,
+            limited(),
+            top_k=k,
+            load=load,
+            max_tokens=args.overlap_tokens,
+            batch_size=args.batch_size,
+            progress=True,
+        )
+        if embedder is None:
+            embedder = load(saturation["final"])
+    report = build_report(embedder, corpus(), **settings)
+    if saturation is not None:
+        report["saturation"] = saturation
     report["meta"] = {
         **run_metadata(command_line(args)),
         "corpus": str(args.corpus),
         "domain_field": args.domain_field,
     }
+    if args.compare is not None:
+        other = load(args.compare)
+        report_b = build_report(other, corpus(), **settings)
+        overlap = routing_overlap(
+            embedder,
+            [other],
+            limited(),
+            top_k=report["summary"]["top_k"],
+            max_tokens=args.overlap_tokens,
+            batch_size=args.batch_size,
+            progress=True,
+        )[0]
+        report["compare"] = compare_section(
+            report, report_b, overlap, [report["summary"]["model"], args.compare]
+        )
     paths = write_report(report, args.out)
     s = report["summary"]
     print(
         f"{s['n_texts']} texts, {s['n_tokens']} tokens, k={s['top_k']} ({s['top_k_source']}): "
         f"mean CV(load) {s['mean_cv_load']:.3f}, worst max/mean load {s['max_over_mean_load']:.2f}"
     )
+    if saturation is not None:
+        print(
+            "saturation (mean top-k overlap with the final checkpoint): "
+            + ", ".join(
+                f"{c['name']}: {v:.3f}" for c, v in zip(saturation["checkpoints"], saturation["mean_topk"])
+            )
+        )
     print(f"wrote {paths['html']} and {paths['json']}")
     return 0

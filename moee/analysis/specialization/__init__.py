@@ -54,8 +54,14 @@ from moee.analysis.specialization.report import (
     SELECTION_RETURNED,
     TOP_K_ATTRIBUTES,
     build_report,
+    checkpoint_step,
+    compare_section,
+    lm_head,
+    load_embedder,
     model_top_k,
     read_corpus,
+    routing_overlap,
+    saturation_section,
     selection_scorers,
     write_report,
 )
@@ -63,6 +69,7 @@ from moee.analysis.specialization.report import (
 # the accumulator, and the helpers the tests check directly, importable from here as before the split
 from moee.analysis.specialization.statistics import (  # noqa: F401
     BASELINE_SAMPLE_BYTES,
+    TOKEN_KEYS,
     SpecializationAccumulator,
     _cv,
     _entropy,
@@ -86,4 +93,11 @@ __all__ = [
     "render_html",
     "write_report",
     "REPORT_SECTIONS",
+    "TOKEN_KEYS",
+    "lm_head",
+    "routing_overlap",
+    "checkpoint_step",
+    "load_embedder",
+    "saturation_section",
+    "compare_section",
 ]

@@ -8,9 +8,12 @@ the HTML page of ``html.render_html``.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +21,9 @@ from moee.analysis.specialization.html import render_html
 from moee.analysis.specialization.statistics import SpecializationAccumulator
 from moee.capture.architectures import TOP_K_KEYS
 from moee.io import batched
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "TOP_K_ATTRIBUTES",
@@ -29,6 +35,12 @@ __all__ = [
     "selection_scorers",
     "build_report",
     "write_report",
+    "lm_head",
+    "routing_overlap",
+    "checkpoint_step",
+    "load_embedder",
+    "saturation_section",
+    "compare_section",
 ]
 
 logger = logging.getLogger("moee.analysis.specialization")
@@ -49,6 +61,11 @@ REPORT_SECTIONS = (
     "coactivation",
     "repetition",
     "layer_agreement",
+    "token_specialization",
+    "router_entropy",
+    "cross_layer",
+    "saturation",
+    "token_view",
 )
 
 _FALLBACK_TOP_K = 1
@@ -170,6 +187,203 @@ def _decoder(tokenizer) -> Callable[[Sequence[int]], str]:
     return decode
 
 
+def lm_head(model: nn.Module, backbone: nn.Module) -> nn.Module | None:
+    """The module that turns the backbone's ``last_hidden_state`` into LM logits, or ``None``.
+
+    It is the backbone's one sibling module with parameters (``lm_head`` of Llama-style LMs,
+    ``cls`` of BERT LM heads), accepted only when it holds the model's output embedding, so a
+    classifier head or a vision tower is never taken for it.
+    """
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is None:
+        return None
+    for parent in model.modules():
+        children = list(parent.children())
+        if not any(c is backbone for c in children):
+            continue
+        heads = [c for c in children if c is not backbone and next(c.parameters(), None) is not None]
+        if len(heads) == 1 and any(m is out for m in heads[0].modules()):
+            return heads[0]
+        return None
+    return None
+
+
+class _Predictions:
+    """The model's argmax next token at every position, from the forward that the routes come
+    from: a hook on the backbone applies the LM head to its ``last_hidden_state`` (the model is
+    never run twice). ``available`` is False (with ``reason``) when no LM head is recognised."""
+
+    def __init__(self, embedder):
+        self.backbone = getattr(embedder, "_backbone", None)
+        self.head = lm_head(embedder.model, self.backbone) if self.backbone is not None else None
+        self.available = self.head is not None
+        self.reason = None if self.available else "no LM head recognised beside the backbone"
+        self.batch: np.ndarray | None = None
+        self._handle = None
+
+    def __enter__(self) -> _Predictions:
+        if self.available:
+            self._handle = self.backbone.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _hook(self, module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        self.batch = self.head(hidden).argmax(dim=-1).cpu().numpy()
+
+    def for_text(self, index: int, n_tokens: int, batch_size: int) -> np.ndarray | None:
+        """The predictions of text ``index`` of the current ``iter_token_routes`` batch (left-padded
+        rows, in order)."""
+        if self.batch is None:
+            return None
+        row = self.batch[index % batch_size]
+        return row[row.size - n_tokens :] if n_tokens else row[:0]
+
+
+def _resolve_top_k(embedder, top_k: int | None) -> tuple[int, str]:
+    """The k counted and where it came from: the argument, else the routers' own k (named after the
+    config when it agrees), else the config's."""
+    n_experts = int(embedder.n_experts)
+    router_ks = {getattr(spec, "top_k", None) for spec in getattr(embedder, "routers", [])}
+    router_k = router_ks.pop() if len(router_ks) == 1 else None
+    if top_k is None and isinstance(router_k, int) and 1 <= router_k <= n_experts:
+        top_k, source = model_top_k(embedder.model.config, n_experts, warn=False)
+        if (top_k, source[:7]) != (router_k, "config."):
+            top_k, source = router_k, "router"
+        return top_k, source
+    if top_k is None:
+        return model_top_k(embedder.model.config, n_experts)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be an int in [1, {n_experts}], got {top_k!r}")
+    return top_k, "argument"
+
+
+def _records(corpus, max_texts: int | None) -> Iterator[tuple[str, str | None]]:
+    for i, item in enumerate(corpus):
+        if max_texts is not None and i >= max_texts:
+            return
+        if isinstance(item, str):
+            yield item, None
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+        else:
+            raise TypeError(
+                f"corpus item {i} must be a str or a (text, domain) tuple, got {type(item).__name__}"
+            )
+
+
+def _iter_routes(
+    embedder,
+    records: Iterable[tuple[str, str | None]],
+    selector: SpecializationAccumulator,
+    *,
+    batch_size: int,
+    chunk_size: int,
+    predictions: _Predictions | None = None,
+) -> Iterator[dict]:
+    """Per text (in chunks of ``chunk_size``, length-sorted inside a chunk so batches carry little
+    padding): its corpus index, domain, token ids, dense router probabilities ``[T, L, E]``, the
+    experts counted ``[T, L, k]`` (the router's own choice where the capture returns it, else the
+    top k of its selection scores), where they came from per layer, and the model's predicted
+    next tokens (``None`` without ``predictions``). The one routing loop of the report,
+    the saturation and the comparison."""
+    n_layers, top_k = selector.n_layers, selector.top_k
+    scorers = selection_scorers(embedder)
+    score = "softmax" if scorers is None else "logits"
+    derived = [
+        "re-derived: top-k of the router scores + selection bias"
+        if scorers
+        else "re-derived: top-k of the router softmax"
+    ] * n_layers
+    offset = 0
+    for chunk in batched(records, chunk_size):
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][0]))
+        texts = [chunk[i][0] for i in order]
+        for routes in embedder.iter_token_routes(texts, prompt=None, score=score, batch_size=batch_size):
+            row = order[int(routes.index)]
+            values = np.asarray(routes.probs, dtype=np.float64)
+            rank = values
+            if scorers is not None:  # values are logits: probabilities and biased selection scores
+                rank = np.stack([f(values[:, i]) for i, f in enumerate(scorers)], axis=1)
+                values = _softmax(values)
+            selected, sources = _router_choice(routes, top_k, n_layers)
+            ids = np.asarray(routes.input_ids)
+            sel = selector.selection(values, rank, selected)
+            yield {
+                "index": offset + row,
+                "domain": chunk[row][1],
+                "ids": ids,
+                "probs": values,
+                "selected": sel,
+                "sources": sources or derived,
+                "predicted": None
+                if predictions is None
+                else predictions.for_text(int(routes.index), ids.size, batch_size),
+            }
+        offset += len(chunk)
+
+
+class _TokenView:
+    """The first ``n_texts`` texts of the corpus (at most ``max_tokens`` tokens in all, each text
+    cut to what is left) with every token's routes, for the page's token view: a fixed-size
+    sample, whatever the corpus length."""
+
+    def __init__(self, n_texts: int, max_tokens: int, decimals: int = 3):
+        self.n_texts, self.max_tokens, self.decimals = int(n_texts), int(max_tokens), int(decimals)
+        self._rows: dict[int, dict] = {}
+
+    def add(self, item: dict) -> None:
+        if item["index"] < self.n_texts:
+            T = min(item["ids"].size, self.max_tokens)
+            order = np.argsort(-np.take_along_axis(item["probs"][:T], item["selected"][:T], axis=2), axis=2)
+            self._rows[item["index"]] = {
+                "domain": item["domain"],
+                "ids": item["ids"][:T],
+                "probs": item["probs"][:T].astype(np.float32),
+                "selected": np.take_along_axis(item["selected"][:T], order, axis=2),
+                "predicted": None if item["predicted"] is None else item["predicted"][:T],
+            }
+
+    def result(self, decode: Callable[[Sequence[int]], str]) -> dict:
+        texts, left = [], self.max_tokens
+        for index in sorted(self._rows):
+            if left <= 0:
+                break
+            r = self._rows[index]
+            T = min(left, r["ids"].size)
+            left -= T
+            texts.append(
+                {
+                    "text_index": index,
+                    "domain": r["domain"],
+                    "tokens": [decode([int(i)]) for i in r["ids"][:T]],
+                    "token_ids": [int(i) for i in r["ids"][:T]],
+                    "predicted": None
+                    if r["predicted"] is None
+                    else [decode([int(i)]) for i in r["predicted"][:T]],
+                    "selected": r["selected"][:T].tolist(),
+                    "probs": np.round(r["probs"][:T].astype(np.float64), self.decimals).tolist(),
+                }
+            )
+        return {
+            "n_texts": len(texts),
+            "n_tokens": self.max_tokens - left,
+            "max_tokens": self.max_tokens,
+            "decimals": self.decimals,
+            "texts": texts,
+        }
+
+
+def _progress(progress: bool, total: int | None, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="text", desc=desc, disable=not progress)
+
+
 def build_report(
     embedder,
     corpus: Iterable[tuple[str, str | None]] | Iterable[str],
@@ -186,27 +400,19 @@ def build_report(
     baseline_sample: int | None = None,
     progress: bool = True,
     total: int | None = None,
+    token_view_texts: int = 8,
+    token_view_tokens: int = 256,
 ) -> dict:
     """Route a corpus through ``embedder`` (a ``MoEEmbedder``) token by token and build the report dict.
 
     ``corpus`` yields texts or ``(text, domain)`` pairs; it is consumed in chunks of ``chunk_size``
     texts, each streamed through ``iter_token_routes`` (raw text, no prompt, dense softmax), so
-    neither the corpus nor its routes are ever held whole in memory.
+    neither the corpus nor its routes are ever held whole in memory. The model's predicted next
+    tokens come from the same forward (a hook applies its LM head). ``saturation`` is left
+    unavailable here (see :func:`saturation_section`).
     """
     n_layers, n_experts = int(embedder.n_moe_layers), int(embedder.n_experts)
-    router_ks = {getattr(spec, "top_k", None) for spec in getattr(embedder, "routers", [])}
-    router_k = router_ks.pop() if len(router_ks) == 1 else None
-    if top_k is None and isinstance(router_k, int) and 1 <= router_k <= n_experts:
-        # what the routers themselves select (RouterSpec.top_k), named after the config when it agrees
-        top_k, source = model_top_k(embedder.model.config, n_experts, warn=False)
-        if (top_k, source[:7]) != (router_k, "config."):
-            top_k, source = router_k, "router"
-    elif top_k is None:
-        top_k, source = model_top_k(embedder.model.config, n_experts)
-    else:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must be an int in [1, {n_experts}], got {top_k!r}")
-        source = "argument"
+    top_k, source = _resolve_top_k(embedder, top_k)
     acc = SpecializationAccumulator(
         n_layers,
         n_experts,
@@ -217,67 +423,38 @@ def build_report(
         seed=seed,
         baseline_sample=baseline_sample,
     )
-    scorers = selection_scorers(embedder)
-
-    def records() -> Iterator[tuple[str, str | None]]:
-        for i, item in enumerate(corpus):
-            if max_texts is not None and i >= max_texts:
-                return
-            if isinstance(item, str):
-                yield item, None
-            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-                yield item
-            else:
-                raise TypeError(
-                    f"corpus item {i} must be a str or a (text, domain) tuple, got {type(item).__name__}"
-                )
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        expected = total if max_texts is None else min(total or max_texts, max_texts)
-        bar = tqdm(total=expected, unit="text", desc="routing")
-    derived = (
-        "re-derived: top-k of the router scores + selection bias"
-        if scorers
-        else "re-derived: top-k of the router softmax"
-    )
+    view = _TokenView(token_view_texts, token_view_tokens)
     layer_sources: list[set[str]] = [set() for _ in range(n_layers)]
-    offset = 0
-    for chunk in batched(records(), chunk_size):
-        # length-sorted inside the chunk so batches carry little padding; indices map back
-        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i][0]))
-        texts = [chunk[i][0] for i in order]
-        score = "softmax" if scorers is None else "logits"
-        for routes in embedder.iter_token_routes(texts, prompt=None, score=score, batch_size=batch_size):
-            row = order[int(routes.index)]
-            values = np.asarray(routes.probs, dtype=np.float64)
-            selection = None
-            if scorers is not None:  # values are logits: probabilities and biased selection scores
-                selection = np.stack([f(values[:, i]) for i, f in enumerate(scorers)], axis=1)
-                values = _softmax(values)
-            selected, sources = _router_choice(routes, top_k, n_layers)
-            if selected is not None:
-                selection = None
-            for layer, name in enumerate(sources or [derived] * n_layers):
+    expected = total if max_texts is None else min(total or max_texts, max_texts)
+    with _Predictions(embedder) as predictions, _progress(progress, expected, "routing") as bar:
+        for item in _iter_routes(
+            embedder,
+            _records(corpus, max_texts),
+            acc,
+            batch_size=batch_size,
+            chunk_size=chunk_size,
+            predictions=predictions,
+        ):
+            for layer, name in enumerate(item["sources"]):
                 layer_sources[layer].add(name)
             acc.update(
-                np.asarray(routes.input_ids),
-                values,
-                text_index=offset + row,
-                domain=chunk[row][1],
-                selection=selection,
-                selected=selected,
+                item["ids"],
+                item["probs"],
+                text_index=item["index"],
+                domain=item["domain"],
+                selected=item["selected"],
+                predicted=item["predicted"],
             )
-            if bar is not None:
-                bar.update(1)
-        offset += len(chunk)
-    if bar is not None:
-        bar.close()
-    if offset == 0:
+            view.add(item)
+            bar.update(1)
+    if acc.n_texts == 0:
         raise ValueError("the corpus holds no texts")
-    report = acc.result(_decoder(embedder.tokenizer), min_token_count=min_token_count)
+    decode = _decoder(embedder.tokenizer)
+    report = acc.result(decode, min_token_count=min_token_count, progress=progress)
+    if not predictions.available:
+        report["token_specialization"]["by_key"]["predicted"]["reason"] = predictions.reason
+    report["saturation"] = {"available": False, "reason": "no checkpoints given (--checkpoints)"}
+    report["token_view"] = view.result(decode)
     report["summary"]["top_k_source"] = source
     by_layer = [" / ".join(sorted(s)) for s in layer_sources]
     report["summary"]["selection_by_layer"] = by_layer
@@ -290,9 +467,316 @@ def build_report(
     return report
 
 
+def routing_overlap(
+    reference,
+    others: Sequence,
+    corpus: Iterable[tuple[str, str | None]] | Iterable[str],
+    *,
+    top_k: int,
+    max_tokens: int = 65536,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> list[dict]:
+    """For each model of ``others`` (a ``MoEEmbedder`` or a function returning one, called one at a
+    time so at most two models are loaded), the per-layer overlap of its selection with
+    ``reference``'s on the same tokens: the share of tokens with the same first choice (top-1) and
+    the mean ``|S ∩ S_ref| / k`` (top-k), beside their exact expectation with its routes shuffled
+    against the tokens (``*_permutation``; ``reference_*_permutation``: the reference against
+    itself, what the final checkpoint's own 1.0 is compared with).
+
+    The tokens are those of the first texts of ``corpus``, up to ``max_tokens`` (texts are taken
+    until they hold ``4 * max_tokens`` characters; the reference's selections are kept for them,
+    so memory is bounded by ``max_tokens``, not by the corpus)."""
+    from moee.analysis.specialization.statistics import _overlap
+
+    def load(m):
+        return m if hasattr(m, "iter_token_routes") else m()
+
+    texts, chars = [], 0
+    for text, domain in _records(corpus, None):
+        if chars >= 4 * max_tokens:
+            break
+        texts.append((text, domain))
+        chars += len(text)
+
+    def routed(embedder, desc):
+        L, E = int(embedder.n_moe_layers), int(embedder.n_experts)
+        selector = SpecializationAccumulator(L, E, top_k, permutations=1)
+        rows, left = [], max_tokens
+        with _progress(progress, len(texts), desc) as bar:
+            for item in _iter_routes(embedder, iter(texts), selector, batch_size=batch_size, chunk_size=512):
+                first = selector.first_choices(item["probs"], item["selected"])
+                rows.append((item["index"], item["ids"], item["selected"], first))
+                bar.update(1)
+        rows.sort(key=lambda r: r[0])
+        cut = []
+        for _index, ids, sel, first in rows:  # the same tokens for every model: the cap in corpus order
+            if left <= 0:
+                break
+            T = min(left, ids.size)
+            left -= T
+            cut.append((ids[:T], sel[:T], first[:T]))
+        return (L, E), cut
+
+    shape, ref = routed(load(reference), "routing (reference)")
+    ref_sel = np.concatenate([r[1] for r in ref])
+    ref_first = np.concatenate([r[2] for r in ref])
+    _, _, self_top1, self_topk = _overlap(ref_sel, ref_sel, ref_first, ref_first)
+    results = []
+    for i, other in enumerate(others):
+        other_shape, rows = routed(load(other), f"routing ({i + 1}/{len(others)})")
+        reason = None
+        if other_shape != shape:
+            reason = f"layers x experts {other_shape} differ from the reference's {shape}"
+        elif len(rows) != len(ref) or any(
+            a[0].size != b[0].size or (a[0] != b[0]).any() for a, b in zip(ref, rows)
+        ):
+            reason = "the two models tokenise the corpus differently"
+        if reason is not None:
+            results.append({"available": False, "reason": reason})
+            continue
+        top1, topk, top1_null, topk_null = _overlap(
+            ref_sel, np.concatenate([r[1] for r in rows]), ref_first, np.concatenate([r[2] for r in rows])
+        )
+        results.append(
+            {
+                "available": True,
+                "reason": None,
+                "n_texts": len(ref),
+                "n_tokens": int(ref_sel.shape[0]),
+                "n_experts": shape[1],
+                "top1": top1.tolist(),
+                "topk": topk.tolist(),
+                "top1_permutation": top1_null.tolist(),
+                "topk_permutation": topk_null.tolist(),
+                "reference_top1_permutation": self_top1.tolist(),
+                "reference_topk_permutation": self_topk.tolist(),
+            }
+        )
+    return results
+
+
+_STEP = re.compile(r"step[_-]?(\d+)", re.IGNORECASE)
+
+
+def checkpoint_step(spec: str) -> int | None:
+    """The training step of a checkpoint: ``trainer_state.json``'s ``step`` of a moee checkpoint
+    directory, else a ``step<N>`` / ``step_<N>`` in its last path part or revision (as in OLMoE's
+    ``stepNNNN-tokensNB`` revisions), else ``None``."""
+    path, _, revision = _split_revision(spec)
+    state = Path(path) / "trainer_state.json"
+    if state.is_file():
+        try:
+            step = json.loads(state.read_text()).get("step")
+        except (OSError, ValueError):
+            step = None
+        if isinstance(step, int):
+            return step
+    match = _STEP.search(revision or Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def _split_revision(spec: str) -> tuple[str, str, str | None]:
+    """``name@revision`` -> (name, "@", revision); a local path (even one holding ``@``) stays whole."""
+    if Path(spec).expanduser().exists() or "@" not in spec:
+        return spec, "", None
+    name, sep, revision = spec.rpartition("@")
+    return name, sep, revision or None
+
+
+def load_embedder(spec: str, options=None, *, tokenizer=None):
+    """A ``MoEEmbedder`` of a model path, Hub id or ``name@revision``. Its tokenizer is the model's
+    own, else the one a moee training checkpoint names (``trainer_state.json`` ->
+    ``config.data.tokenizer``), else ``tokenizer`` (checkpoints of one run share it)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import moee.moe.lm  # noqa: F401  (registers the moee model types)
+    import moee.moe.upcycled  # noqa: F401
+    from moee.embed.embedder import MoEEmbedder
+    from moee.loading import LoadOptions, load_causal_lm
+
+    options = options or LoadOptions()
+    name, _, revision = _split_revision(spec)
+    extra = {"revision": revision} if revision else {}
+    model = load_causal_lm(
+        name,
+        trust_remote_code=options.trust_remote_code,
+        allow_pickle_weights=options.allow_pickle_weights,
+        **options.hf_kwargs(),
+        **extra,
+    )
+    if options.device_map is None:
+        model.to(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    candidates = [name]
+    state = Path(name) / "trainer_state.json"
+    if state.is_file():
+        named = ((json.loads(state.read_text()).get("config") or {}).get("data") or {}).get("tokenizer")
+        if named:
+            candidates.append(named)
+    tok = None
+    for candidate in candidates:
+        try:
+            tok = AutoTokenizer.from_pretrained(
+                candidate, trust_remote_code=options.trust_remote_code, **extra
+            )
+            break
+        except (OSError, ValueError, TypeError):
+            continue
+    if tok is None:
+        if tokenizer is None:
+            raise FileNotFoundError(
+                f"checkpoint {spec!r} has no tokenizer; pass --model with the run's tokenizer"
+            )
+        tok = tokenizer
+    return MoEEmbedder(model, tok, name_or_path=spec)
+
+
+def saturation_section(
+    checkpoints: Sequence[str],
+    corpus: Iterable[tuple[str, str | None]] | Iterable[str],
+    *,
+    top_k: int,
+    load: Callable[[str], object],
+    max_tokens: int = 65536,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> dict:
+    """Router saturation over training (OLMoE paper, section 5): per layer, the overlap of each
+    checkpoint's top-1 / top-k selection with the final checkpoint's on the same tokens.
+
+    ``checkpoints`` are sorted by training step where every step is known (else taken as given);
+    the last is the final one; ``fraction_of_training`` = step / final step."""
+    if len(checkpoints) < 2:
+        raise ValueError(f"--checkpoints needs at least two checkpoints, got {len(checkpoints)}")
+    steps = [checkpoint_step(c) for c in checkpoints]
+    order = list(range(len(checkpoints)))
+    if all(s is not None for s in steps):
+        order.sort(key=lambda i: steps[i])
+    names = [checkpoints[i] for i in order]
+    steps = [steps[i] for i in order]
+    final = names[-1]
+    results = routing_overlap(
+        lambda: load(final),
+        [lambda c=c: load(c) for c in names[:-1]],
+        corpus,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        progress=progress,
+    )
+    bad = [f"{n}: {r['reason']}" for n, r in zip(names, results) if not r["available"]]
+    if bad:
+        raise ValueError("checkpoints cannot be compared with the final one: " + "; ".join(bad))
+    L = len(results[0]["top1"])
+    ones = [1.0] * L
+    own = {
+        "top1": ones,
+        "topk": ones,
+        "top1_permutation": results[0]["reference_top1_permutation"],
+        "topk_permutation": results[0]["reference_topk_permutation"],
+    }
+    per = [*results, own]
+    final_step = steps[-1]
+    E = results[0]["n_experts"]
+    return {
+        "available": True,
+        "reason": None,
+        "final": final,
+        "n_texts": results[0]["n_texts"],
+        "n_tokens": results[0]["n_tokens"],
+        "checkpoints": [
+            {
+                "name": n,
+                "step": s,
+                "fraction_of_training": round(s / final_step, 6) if s is not None and final_step else None,
+            }
+            for n, s in zip(names, steps)
+        ],
+        "by_layer": [
+            {
+                "layer": layer,
+                "top1": [r["top1"][layer] for r in per],
+                "topk": [r["topk"][layer] for r in per],
+                "top1_permutation": [r["top1_permutation"][layer] for r in per],
+                "topk_permutation": [r["topk_permutation"][layer] for r in per],
+            }
+            for layer in range(L)
+        ],
+        "mean_top1": [float(np.mean(r["top1"])) for r in per],
+        "mean_topk": [float(np.mean(r["topk"])) for r in per],
+        "random_baseline": {"top1": 1 / E, "topk": top_k / E},
+    }
+
+
+def _layer_values(report: dict) -> list[dict]:
+    """The per-layer numbers the comparison differences (one row per MoE layer)."""
+    ts = report["token_specialization"]["by_key"]["input"]["by_layer"]
+    jsd = report["domains"].get("specialization_by_layer") or [{}] * len(report["layers"])
+    return [
+        {
+            "cv_load": layer["cv_load"],
+            "routing_entropy_normalized": layer["routing_entropy_normalized"],
+            "vocabulary_weighted_max_ratio": voc["weighted_max_ratio"],
+            "repetition_rate": rep["rate"],
+            "token_specialization_input": t["mean_expert_specialization"],
+            "domain_jsd": j.get("jsd"),
+        }
+        for layer, voc, rep, t, j in zip(
+            report["layers"], report["vocabulary"]["by_layer"], report["repetition"]["by_layer"], ts, jsd
+        )
+    ]
+
+
+def compare_section(report_a: dict, report_b: dict, overlap: dict, labels: Sequence[str]) -> dict:
+    """``report["compare"]``: model B's report (same corpus, same schema, without ``meta``), B - A
+    per layer where both have the same layers x experts x k, and B's selection overlap with A on
+    the same tokens (``routing_overlap``; meaningful when expert ids correspond, e.g. two
+    checkpoints of one run)."""
+    sa, sb = report_a["summary"], report_b["summary"]
+    same = all(sa[key] == sb[key] for key in ("n_layers", "n_experts", "top_k"))
+    rows = None
+    if same:
+        rows = []
+        for layer, (a, b) in enumerate(zip(_layer_values(report_a), _layer_values(report_b))):
+            rows.append(
+                {"layer": layer}
+                | {key: (b[key] - a[key] if a[key] is not None and b[key] is not None else None) for key in a}
+            )
+    E, k = sa["n_experts"], sa["top_k"]
+    selection = {"available": bool(overlap.get("available")), "reason": overlap.get("reason")}
+    if selection["available"]:
+        selection["n_tokens"] = overlap["n_tokens"]
+        selection["by_layer"] = [
+            {
+                "layer": layer,
+                "top1": overlap["top1"][layer],
+                "topk": overlap["topk"][layer],
+                "top1_permutation": overlap["top1_permutation"][layer],
+                "topk_permutation": overlap["topk_permutation"][layer],
+            }
+            for layer in range(len(overlap["top1"]))
+        ]
+        selection["random_baseline"] = {"top1": 1 / E, "topk": k / E}
+    return {
+        "labels": [str(x) for x in labels],
+        "b": {key: value for key, value in report_b.items() if key != "meta"},
+        "same_shape": same,
+        "differences": {"by_layer": rows},
+        "selection_overlap": selection,
+    }
+
+
+def _json_value(value):
+    """numpy scalars and arrays as their Python values (``json.dump``'s ``default``)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"report value of type {type(value).__name__} is not JSON serialisable")
+
+
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write ``report.json`` and the self-contained ``report.html`` into ``out_dir``."""
-    from moee.io import write_json_atomic
+    import os
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +784,16 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     if missing:
         raise ValueError(f"report is missing sections: {missing}")
     json_path, html_path = out / "report.json", out / "report.html"
-    write_json_atomic(json_path, report)
+    # compact: the token view and the per-expert tables are long lists that indentation would
+    # spread over one line per number (several times the size); written to a temporary file and
+    # renamed, so a reader never sees half a report
+    tmp = out / f".report.json.{os.getpid()}.tmp"  # plain open(): the user's umask, like every result file
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, separators=(",", ":"), default=_json_value)
+        os.replace(tmp, json_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     html_path.write_text(render_html(report), encoding="utf-8")
     return {"json": json_path, "html": html_path}

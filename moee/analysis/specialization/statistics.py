@@ -16,7 +16,17 @@ import numpy as np
 from moee.analysis.overlap import matched_from_table as _matched_from_table
 from moee.analysis.overlap import nmi_from_table as _nmi_from_table
 
-__all__ = ["SpecializationAccumulator", "BASELINE_SAMPLE_BYTES"]
+__all__ = ["SpecializationAccumulator", "BASELINE_SAMPLE_BYTES", "TOKEN_KEYS"]
+
+#: The three tokens a route can be attributed to (token specialization), with what each means.
+TOKEN_KEYS = {
+    "input": "the input token at the position",
+    "next": "the ground-truth next token (position i + 1; the last position of a text has none)",
+    "predicted": "the model's predicted next token (argmax of its LM logits at the position)",
+}
+
+#: Experts shown in the co-activation heatmaps (the most loaded ones of each layer).
+HEATMAP_EXPERTS = 16
 
 
 class _SparseCounter:
@@ -144,20 +154,20 @@ def _group_blocks(ends: np.ndarray, max_groups: int, max_tokens: int) -> Iterato
         g0, t0 = g1, int(ends[g1 - 1])
 
 
-def _permuted_group_max(
+def _permuted_group_counts(
     sizes: np.ndarray, sample: np.ndarray, n_experts: int, rng: np.random.Generator
-) -> np.ndarray:
-    """``max_E`` of each group's expert counts ``[G, L]`` when group g's ``sizes[g]`` tokens take
-    routes drawn at random from ``sample [R, L, k]``: a random permutation of the sample split into
-    the groups when they fit in it (an exact permutation test when the sample is the whole
-    corpus), draws with replacement otherwise. Memory is bounded by the block sizes."""
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Blocks ``(g0, g1, counts [g1 - g0, L, E])`` of the expert counts of each group when group
+    g's ``sizes[g]`` tokens take routes drawn at random from ``sample [R, L, k]``: a random
+    permutation of the sample split into the groups when they fit in it (an exact permutation
+    test when the sample is the whole corpus), draws with replacement otherwise. Memory is
+    bounded by the block sizes; every permutation statistic reduces these blocks."""
     sizes = np.asarray(sizes, dtype=np.int64)
     R, L, k = sample.shape
     E = n_experts
-    out = np.zeros((sizes.size, L), dtype=np.int64)
     total = int(sizes.sum())
     if total == 0 or R == 0:
-        return out
+        return
     perm = rng.permutation(R) if total <= R else None
     ends = np.cumsum(sizes)
     max_groups = max(1, (1 << 22) // (L * E))
@@ -171,8 +181,95 @@ def _permuted_group_max(
             group = np.searchsorted(ends, np.arange(s0, s1), side="right") - g0
             keys = (group[:, None, None] * (L * E) + layer_off + sample[idx]).ravel()
             counts += np.bincount(keys, minlength=counts.size)
-        out[g0:g1] = counts.reshape(g1 - g0, L, E).max(axis=2)
+        yield g0, g1, counts.reshape(g1 - g0, L, E)
+
+
+def _permuted_group_max(
+    sizes: np.ndarray, sample: np.ndarray, n_experts: int, rng: np.random.Generator
+) -> np.ndarray:
+    """``max_E`` of each group's expert counts ``[G, L]`` under ``_permuted_group_counts``."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    out = np.zeros((sizes.size, sample.shape[1]), dtype=np.int64)
+    for g0, g1, counts in _permuted_group_counts(sizes, sample, n_experts, rng):
+        out[g0:g1] = counts.max(axis=2)
     return out
+
+
+def _token_specialization_stats(
+    groups: Iterator[tuple[int, int, np.ndarray]], sizes: np.ndarray, n_top: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """From blocks of per-token-type expert counts ``[g, L, E]`` (types of ``sizes`` occurrences):
+    the token-weighted mean of ``max_E N(t, E) / N_t`` per layer ``[L]`` and each expert's
+    specialization (mean of its ``n_top`` highest ``N(t, E) / N_t``) ``[L, E]``."""
+    weighted, best = None, None
+    for g0, g1, counts in groups:
+        frac = counts / sizes[g0:g1, None, None]
+        w = (frac.max(axis=2) * sizes[g0:g1, None]).sum(axis=0)
+        m = min(n_top, frac.shape[0])
+        top = -np.partition(-frac, m - 1, axis=0)[:m]
+        if best is None:
+            weighted, best = w, top
+        else:
+            weighted = weighted + w
+            both = np.concatenate([best, top], axis=0)
+            m = min(n_top, both.shape[0])
+            best = -np.partition(-both, m - 1, axis=0)[:m]
+    if best is None:
+        raise ValueError("no token types to count")
+    return weighted / sizes.sum(), best.sum(axis=0) / n_top
+
+
+def _generalized_jsd(dists: np.ndarray, weights: np.ndarray) -> float:
+    """Jensen-Shannon divergence of distributions ``dists [D, E]`` (rows sum to 1) with mixture
+    weights ``weights [D]``: ``H(sum_d w_d p_d) - sum_d w_d H(p_d)`` (nats; 0 iff all equal)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    mix = (w[:, None] * dists).sum(axis=0)
+    return float(max(0.0, _entropy(mix) - sum(wd * _entropy(p) for wd, p in zip(w, dists))))
+
+
+def _set_joint(sel_a: np.ndarray, sel_b: np.ndarray, n_experts: int) -> np.ndarray:
+    """``C[a, b]``: tokens whose set ``sel_a [N, k]`` holds a and whose ``sel_b [N, k]`` holds b."""
+    E = n_experts
+    sel_a, sel_b = np.asarray(sel_a, dtype=np.int64), np.asarray(sel_b, dtype=np.int64)
+    keys = (sel_a[:, :, None] * E + sel_b[:, None, :]).ravel()
+    return np.bincount(keys, minlength=E * E).reshape(E, E)
+
+
+def _transition_stats(joint: np.ndarray, n_tokens: int, k: int, min_expected: float = 5.0) -> dict:
+    """Excess of a cross-layer joint ``C [E, E]`` over independence ``X = load_a load_b / N``
+    (the exact expectation with one layer's routes shuffled against the other's): the total
+    variation ``sum |C - X| / (2 N k^2)`` and the lift ``C / X`` of pairs with ``X >= min_expected``."""
+    C = joint.astype(np.float64)
+    X = np.outer(C.sum(axis=1), C.sum(axis=0)) / (n_tokens * k * k) if n_tokens else np.zeros_like(C)
+    excess = float(np.abs(C - X).sum() / (2 * n_tokens * k * k)) if n_tokens else 0.0
+    ok = X >= min_expected
+    lift = np.divide(C, X, out=np.zeros_like(C), where=X > 0)
+    return {
+        "excess": excess,
+        "lift": lift,
+        "expected": X,
+        "max_lift": float(lift[ok].max()) if ok.any() else None,
+    }
+
+
+def _overlap(ref: np.ndarray, other: np.ndarray, ref_first: np.ndarray, other_first: np.ndarray) -> tuple:
+    """Per layer: share of tokens with the same first choice, and mean ``|S_ref ∩ S_other| / k``
+    over token selections ``[N, L, k]``; plus both statistics' exact expectation when the other's
+    routes are shuffled against the tokens (products of the two marginals)."""
+    N, L, k = ref.shape
+    E = int(max(ref.max(), other.max())) + 1 if N else 1
+    top1 = (ref_first == other_first).mean(axis=0)
+    hit = (ref[:, :, :, None] == other[:, :, None, :]).any(axis=3).sum(axis=2)
+    topk = hit.mean(axis=0) / k
+    off = (np.arange(L) * E)[None, :, None]
+
+    def marg(x):
+        return np.bincount((x + off).ravel(), minlength=L * E).reshape(L, E) / N
+
+    top1_null = (marg(ref_first[..., None]) * marg(other_first[..., None])).sum(axis=1)
+    topk_null = (marg(ref) * marg(other)).sum(axis=1) / k
+    return top1, topk, top1_null, topk_null
 
 
 def _random_table(rows: np.ndarray, cols: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -239,6 +336,7 @@ class SpecializationAccumulator:
         self.n_texts = 0
         self.n_tokens = 0
         self.last_selection: np.ndarray | None = None
+        self.last_first: np.ndarray | None = None
         self.n_adjacent = 0
         self.importance = np.zeros((L, E))
         self.load = np.zeros((L, E), dtype=np.int64)
@@ -249,8 +347,12 @@ class SpecializationAccumulator:
         self.layer_joint = np.zeros((max(L - 1, 0), E, E), dtype=np.int64)
         self.domain_tokens: dict[str, int] = {}
         self.domain_load: dict[str, np.ndarray] = {}
-        self._vocab = _SparseCounter()  # key = (token_id * L + layer) * E + expert
-        self._tokens = _SparseCounter()  # key = token_id
+        self.selection_entropy_sum = np.zeros(L)
+        self.set_joint = np.zeros((max(L - 1, 0), E, E), dtype=np.int64)
+        # per token key (TOKEN_KEYS): counts of (token_id * L + layer) * E + expert, and of token_id
+        self._token_counts = {key: (_SparseCounter(), _SparseCounter()) for key in TOKEN_KEYS}
+        self._key_tokens = dict.fromkeys(TOKEN_KEYS, 0)
+        self._vocab, self._tokens = self._token_counts["input"]
         width = 2 * self.context_window + 1
         self.best_prob = np.full((self.n_contexts, L, E), -np.inf)
         self.best_text = np.full((self.n_contexts, L, E), -1, dtype=np.int64)
@@ -266,8 +368,13 @@ class SpecializationAccumulator:
         domain: str | None = None,
         selection: np.ndarray | None = None,
         selected: np.ndarray | None = None,
+        predicted: np.ndarray | None = None,
     ) -> None:
         """Fold one text's routes in: ``input_ids [T]`` and dense router probabilities ``probs [T, L, E]``.
+
+        ``predicted [T]``: the model's argmax next token at each position (from the same forward's
+        LM logits), for the token specialization by predicted next token; without it that key
+        stays empty.
 
         ``selected [T, L, k]`` are the expert indices the router itself chose (its own top k, group
         limits and biases included); without them the top k is re-derived by ranking
@@ -279,7 +386,7 @@ class SpecializationAccumulator:
         """
         ids = np.asarray(input_ids, dtype=np.int64).ravel()
         p = np.asarray(probs, dtype=np.float64)
-        L, E, k = self.n_layers, self.n_experts, self.top_k
+        L, E = self.n_layers, self.n_experts
         if p.ndim != 3 or p.shape[1:] != (L, E):
             raise ValueError(f"probs must be [T, {L}, {E}], got shape {p.shape}")
         rank = p if selection is None else np.asarray(selection, dtype=np.float64)
@@ -289,22 +396,23 @@ class SpecializationAccumulator:
             raise ValueError(f"input_ids has {ids.size} tokens but probs has {p.shape[0]}")
         if ids.size and ids.min() < 0:
             raise ValueError("input_ids must be non-negative token ids")
+        if predicted is not None:
+            predicted = np.asarray(predicted, dtype=np.int64).ravel()
+            if predicted.size != ids.size or (predicted.size and predicted.min() < 0):
+                raise ValueError(
+                    f"predicted must hold {ids.size} non-negative token ids, got {predicted.size}"
+                )
         if not np.isfinite(p).all():
             raise ValueError(f"text {text_index}: router probabilities contain NaN or inf")
         T = p.shape[0]
-        if selected is not None:
-            sel = self._check_selected(selected, T)
-        elif k < E:  # order inside the top k is irrelevant for counts
-            sel = np.argpartition(-rank, k - 1, axis=2)[..., :k]
-        else:
-            sel = np.broadcast_to(np.arange(E), (T, L, E))
+        sel = self.selection(p, rank, selected)
         self.n_texts += 1
         if T == 0:
             return
         self.n_tokens += T
         self.last_selection = np.asarray(sel)
-        best = np.take_along_axis(p, sel, axis=2).argmax(axis=2)  # first choice among the selected
-        first = np.take_along_axis(sel, best[..., None], axis=2)[..., 0]  # [T, L]
+        first = self.first_choices(p, sel)  # [T, L]
+        self.last_first = first
         layer_off = (np.arange(L) * E)[None, :, None]
         flat = (sel + layer_off).ravel()
         counts = np.bincount(flat, minlength=L * E).reshape(L, E)
@@ -313,11 +421,16 @@ class SpecializationAccumulator:
         self.importance += p.sum(0)
         with np.errstate(divide="ignore", invalid="ignore"):
             plogp = np.where(p > 0, p * np.log(p), 0.0)
-        self.entropy_sum += -plogp.sum(axis=(0, 2))
+            self.entropy_sum += -plogp.sum(axis=(0, 2))
+            w = np.take_along_axis(p, np.asarray(sel), axis=2)
+            w = w / w.sum(axis=2, keepdims=True)
+            self.selection_entropy_sum += -np.where(w > 0, w * np.log(w), 0.0).sum(axis=(0, 2))
         mask = np.zeros((T, L, E), dtype=np.float32)
         np.put_along_axis(mask, np.asarray(sel), 1.0, axis=2)
         per_layer = mask.transpose(1, 2, 0)  # [L, E, T]
         self.coactivation += np.rint(per_layer @ per_layer.transpose(0, 2, 1)).astype(np.int64)
+        if L > 1:
+            self.set_joint += np.rint(per_layer[:-1] @ per_layer[1:].transpose(0, 2, 1)).astype(np.int64)
         if T > 1:
             self.repeats += (first[1:] == first[:-1]).sum(0)
             self.n_adjacent += T - 1
@@ -330,10 +443,32 @@ class SpecializationAccumulator:
             if domain not in self.domain_load:
                 self.domain_load[domain] = np.zeros((L, E), dtype=np.int64)
             self.domain_load[domain] += counts
-        self._tokens.add(ids)
-        self._vocab.add(((ids[:, None, None] * L + np.arange(L)[None, :, None]) * E + sel).ravel())
+        for key, (tokens, routes) in (
+            ("input", (ids, sel)),
+            ("next", (ids[1:], sel[:-1])),
+            ("predicted", (predicted, sel)),
+        ):
+            if tokens is None or tokens.size == 0:
+                continue
+            by_expert, by_token = self._token_counts[key]
+            by_token.add(tokens)
+            by_expert.add(((tokens[:, None, None] * L + np.arange(L)[None, :, None]) * E + routes).ravel())
+            self._key_tokens[key] += int(tokens.size)
         self._sample.add(text_index, np.asarray(sel))
         self._update_contexts(ids, p, text_index)
+
+    def selection(
+        self, probs: np.ndarray, rank: np.ndarray, selected: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The experts counted per token ``[T, L, k]``: ``selected`` (checked) when the router gave
+        its own choice, else the top k of ``rank [T, L, E]`` (order inside the top k is irrelevant)."""
+        L, E, k = self.n_layers, self.n_experts, self.top_k
+        T = probs.shape[0]
+        if selected is not None:
+            return self._check_selected(selected, T)
+        if k < E:
+            return np.argpartition(-rank, k - 1, axis=2)[..., :k]
+        return np.broadcast_to(np.arange(E), (T, L, E))
 
     def _check_selected(self, selected: np.ndarray, T: int) -> np.ndarray:
         L, E, k = self.n_layers, self.n_experts, self.top_k
@@ -377,16 +512,31 @@ class SpecializationAccumulator:
         self.best_ctx = np.take_along_axis(all_ctx, order[..., None], axis=0)
 
     # ------------------------------------------------------------------ results
-    def vocabulary_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Sparse ``N_k(x, E)`` triples ``(token, layer, expert, count)`` and ``N_x`` per triple."""
-        self._vocab.compact()
-        self._tokens.compact()
+    def vocabulary_counts(
+        self, key: str = "input"
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Sparse ``N_k(x, E)`` triples ``(token, layer, expert, count)`` and ``N_x`` per triple,
+        ``x`` the token of ``key`` (``TOKEN_KEYS``: the input, next or predicted token)."""
+        by_expert, by_token = self._token_counts[key]
+        by_expert.compact()
+        by_token.compact()
         L, E = self.n_layers, self.n_experts
-        keys, counts = self._vocab.keys, self._vocab.counts
+        keys, counts = by_expert.keys, by_expert.counts
         token, rest = np.divmod(keys, L * E)
         layer, expert = np.divmod(rest, E)
-        n_x = self._tokens.counts[np.searchsorted(self._tokens.keys, token)]
+        n_x = by_token.counts[np.searchsorted(by_token.keys, token)]
         return token, layer, expert, counts, n_x
+
+    def type_sizes(self, key: str = "input", min_token_count: int = 1) -> np.ndarray:
+        """Occurrences ``N_t`` of every token type of ``key`` seen at least ``min_token_count`` times."""
+        by_token = self._token_counts[key][1]
+        by_token.compact()
+        return by_token.counts[by_token.counts >= min_token_count]
+
+    def first_choices(self, probs: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        """The first choice ``[T, L]``: the selected expert with the highest router probability."""
+        best = np.take_along_axis(probs, sel, axis=2).argmax(axis=2)
+        return np.take_along_axis(sel, best[..., None], axis=2)[..., 0]
 
     def result(
         self,
@@ -395,8 +545,11 @@ class SpecializationAccumulator:
         n_top_tokens: int = 8,
         min_token_count: int = 5,
         n_coactivation_pairs: int = 10,
+        n_specialization_tokens: int = 10,
+        progress: bool = False,
     ) -> dict:
-        """Every report section except ``meta`` as plain JSON-ready Python objects."""
+        """Every report section except ``meta``, ``saturation`` and ``token_view`` (the driver's,
+        they need other models or the texts) as plain JSON-ready Python objects."""
         if self.n_tokens == 0:
             raise ValueError("no tokens were routed: the corpus is empty or every text tokenised to nothing")
         decode = decode or (lambda ids: " ".join(str(i) for i in ids))
@@ -423,11 +576,16 @@ class SpecializationAccumulator:
         token, lay, exp_, cnt, n_x = self.vocabulary_counts()
         experts = self._experts_section(decode, token, lay, exp_, cnt, n_x, n_top_tokens, min_token_count)
         vocabulary = self._vocabulary_section(decode, token, lay, exp_, cnt, n_x, min_token_count)
-        base = self.baselines(min_token_count)
+        base = self.baselines(min_token_count, n_specialization_tokens, progress=progress)
         for entry, value in zip(vocabulary["by_layer"], base["vocabulary"]):
             entry["baseline"] = value
         names = sorted(self.domain_tokens)
-        domains = {"available": bool(self.domain_tokens), "domains": {}}
+        domains = {"available": bool(self.domain_tokens), "names": names, "domains": {}}
+        jsd = self._domain_jsd(np.stack([self.domain_load[d] for d in names])) if names else [None] * L
+        domains["specialization_by_layer"] = [
+            {"layer": layer, "jsd": j, "jsd_baseline": b}
+            for layer, (j, b) in enumerate(zip(jsd, base["domain_jsd"]))
+        ]
         for d, baseline in zip(names, base["domains"]):
             max_fraction = (self.domain_load[d] / self.domain_tokens[d]).max(axis=1)
             domains["domains"][d] = {
@@ -440,6 +598,9 @@ class SpecializationAccumulator:
                 ],
             }
         coact = self._coactivation_section(n_coactivation_pairs)
+        token_specialization = self._token_specialization_section(
+            decode, base["token_specialization"], min_token_count, n_specialization_tokens
+        )
         repetition = {
             "n_adjacent_pairs": int(self.n_adjacent),
             "by_layer": [
@@ -487,37 +648,234 @@ class SpecializationAccumulator:
             "coactivation": coact,
             "repetition": repetition,
             "layer_agreement": agreement,
+            "token_specialization": token_specialization,
+            "router_entropy": self._router_entropy_section(),
+            "cross_layer": self._cross_layer_section(base["cross_layer"]),
         }
 
-    def baselines(self, min_token_count: int = 5) -> dict:
+    def _token_specialization_section(self, decode, base: dict, min_count: int, n_top: int) -> dict:
+        """Token specialization by each ``TOKEN_KEYS`` key (OLMoE paper, section 5): for expert e
+        and token t, ``N(t, e) / N_t``, the fraction of t's occurrences routed to e; per expert the
+        mean over its ``n_top`` most specialised types (missing ones count 0); per layer the
+        token-weighted mean of ``max_e N(t, e) / N_t``."""
+        L, E, k = self.n_layers, self.n_experts, self.top_k
+        random = k / E
+        by_key = {}
+        for key, description in TOKEN_KEYS.items():
+            entry = {
+                "available": self._key_tokens[key] > 0,
+                "reason": None,
+                "description": description,
+                "n_tokens": int(self._key_tokens[key]),
+            }
+            if not entry["available"]:
+                entry["reason"] = (
+                    "no LM logits were given (the model has no recognised LM head)"
+                    if key == "predicted"
+                    else "no positions to count"
+                )
+            token, lay, exp_, cnt, n_x = self.vocabulary_counts(key)
+            ok = n_x >= min_count
+            token, lay, exp_, cnt, n_x = token[ok], lay[ok], exp_[ok], cnt[ok], n_x[ok]
+            frac = cnt / np.maximum(n_x, 1)
+            order = np.lexsort((-cnt, -frac, exp_, lay))  # per (layer, expert), most specialised first
+            token, lay, exp_, cnt, n_x, frac = (a[order] for a in (token, lay, exp_, cnt, n_x, frac))
+            starts = np.searchsorted(lay * E + exp_, np.arange(L * E + 1))
+            observed = None
+            if token.size:
+                sizes = self.type_sizes(key, min_count)
+                observed = _token_specialization_stats(iter([self._type_block(key, min_count)]), sizes, n_top)
+            null = base.get(key)
+            experts, layers = [], []
+            for layer in range(L):
+                row = []
+                for e in range(E):
+                    s0, s1 = (
+                        starts[layer * E + e],
+                        min(starts[layer * E + e + 1], starts[layer * E + e] + n_top),
+                    )
+                    row.append(
+                        {
+                            "expert": e,
+                            "specialization": float(observed[1][layer, e]) if observed else None,
+                            "specialization_baseline": float(null[1][layer, e]) if null else None,
+                            "top": [
+                                {
+                                    "token": decode([int(t)]),
+                                    "token_id": int(t),
+                                    "fraction": round(float(f), 6),
+                                    "count": int(c),
+                                    "n_t": int(n),
+                                }
+                                for t, f, c, n in zip(token[s0:s1], frac[s0:s1], cnt[s0:s1], n_x[s0:s1])
+                            ],
+                        }
+                    )
+                experts.append(row)
+                layers.append(
+                    {
+                        "layer": layer,
+                        "weighted_max_fraction": float(observed[0][layer]) if observed else None,
+                        "weighted_max_fraction_baseline": float(null[0][layer]) if null else None,
+                        "mean_expert_specialization": float(observed[1][layer].mean()) if observed else None,
+                        "mean_expert_specialization_baseline": float(null[1][layer].mean()) if null else None,
+                        "random_baseline": random,
+                    }
+                )
+            by_key[key] = {**entry, "by_layer": layers, "experts": experts}
+        return {
+            "keys": list(TOKEN_KEYS),
+            "min_token_count": int(min_count),
+            "n_top": int(n_top),
+            "random_baseline": random,
+            "by_key": by_key,
+        }
+
+    def _type_block(self, key: str, min_count: int) -> tuple[int, int, np.ndarray]:
+        """The observed expert counts ``[G, L, E]`` of the token types of ``key`` seen at least
+        ``min_count`` times, in ``type_sizes`` order (one block: memory is types x L x E)."""
+        L, E = self.n_layers, self.n_experts
+        by_token = self._token_counts[key][1]
+        token, lay, exp_, cnt, n_x = self.vocabulary_counts(key)
+        types = by_token.keys[by_token.counts >= min_count]
+        ok = n_x >= min_count
+        row = np.searchsorted(types, token[ok])
+        counts = np.zeros((types.size, L, E), dtype=np.int64)
+        np.add.at(counts, (row, lay[ok], exp_[ok]), cnt[ok])
+        return 0, types.size, counts
+
+    def _router_entropy_section(self) -> dict:
+        """Router entropy and KL to uniform, per layer: of the dense distribution (per token,
+        averaged), of the selection (the dense distribution restricted to the k selected experts
+        and renormalised), and of the marginals (load and mean dense distribution)."""
+        L, E, k, N = self.n_layers, self.n_experts, self.top_k, self.n_tokens
+        logE, logk = float(np.log(E)), float(np.log(k))
+        layers = []
+        for layer in range(L):
+            dense = float(self.entropy_sum[layer] / N)
+            sel = float(self.selection_entropy_sum[layer] / N)
+            load_h = _entropy(self.load[layer].astype(np.float64))
+            imp_h = _entropy(self.importance[layer])
+            layers.append(
+                {
+                    "layer": layer,
+                    "dense_entropy": dense,
+                    "dense_entropy_normalized": dense / logE if E > 1 else 0.0,
+                    "dense_kl_uniform": max(0.0, logE - dense),
+                    "selection_entropy": sel,
+                    "selection_entropy_normalized": sel / logk if k > 1 else 0.0,
+                    "selection_kl_uniform": max(0.0, logk - sel),
+                    "load_entropy": load_h,
+                    "load_kl_uniform": max(0.0, logE - load_h),
+                    "importance_entropy": imp_h,
+                    "importance_kl_uniform": max(0.0, logE - imp_h),
+                }
+            )
+        return {
+            "by_layer": layers,
+            "baseline": {
+                "dense_entropy": logE,
+                "dense_kl_uniform": 0.0,
+                "selection_entropy": logk,
+                "selection_kl_uniform": 0.0,
+                "load_kl_uniform": 0.0,
+                "description": "a uniform router (every expert 1/E): entropy log E, KL to uniform 0; "
+                "selection: log k and 0 (equal weights on the k selected)",
+            },
+        }
+
+    def _cross_layer_section(self, base: list, n_pairs: int = 10) -> dict:
+        """Which expert of layer l+1 follows which of layer l, beyond chance: the joint of their
+        top-k sets against independence (see ``_transition_stats``)."""
+        L, N, k = self.n_layers, self.n_tokens, self.top_k
+        pairs, matrices = [], {}
+        show = sorted({0, (L - 1) // 2, L - 2}) if L > 1 else []
+        for layer in range(L - 1):
+            st = _transition_stats(self.set_joint[layer], N, k)
+            lift, X, C = st["lift"], st["expected"], self.set_joint[layer]
+            ranked = np.where(X >= 5.0, lift, -np.inf)
+            flat = np.argsort(-ranked, axis=None, kind="stable")[:n_pairs]
+            load_a = C.sum(axis=1) / k
+            top = [
+                {
+                    "a": int(a),
+                    "b": int(b),
+                    "count": int(C[a, b]),
+                    "expected": round(float(X[a, b]), 3),
+                    "lift": round(float(lift[a, b]), 4),
+                    "p_b_given_a": round(float(C[a, b] / load_a[a]), 6) if load_a[a] else 0.0,
+                }
+                for a, b in zip(*np.unravel_index(flat, lift.shape))
+                if np.isfinite(ranked[a, b])
+            ]
+            pairs.append(
+                {
+                    "layers": [layer, layer + 1],
+                    "excess": st["excess"],
+                    "excess_baseline": base[layer][0],
+                    "max_lift": st["max_lift"],
+                    "max_lift_baseline": base[layer][1],
+                    "top_pairs": top,
+                }
+            )
+            if layer in show:
+                matrices[str(layer)] = lift.round(3).tolist()
+        return {"pairs": pairs, "heatmap_layers": show, "matrices": matrices}
+
+    def baselines(self, min_token_count: int = 5, n_top: int = 10, *, progress: bool = False) -> dict:
         """Every statistic's value under the null "routing does not depend on X", computed the way
         the statistic is computed, by permutation (seeded, mean over ``permutations`` draws):
 
-        * vocabulary: routes shuffled against tokens: each token type seen at least
+        * token specialization (per ``TOKEN_KEYS`` key; ``vocabulary`` is the input key's
+          weighted max): routes shuffled against tokens: each token type seen at least
           ``min_token_count`` times takes as many random routes of the corpus (from the route
-          sample) as it has occurrences; the token-weighted mean of ``max_E N_k(x, E) / N_x``;
+          sample) as it has occurrences; the token-weighted mean of ``max_E N_k(x, E) / N_x``
+          and each expert's mean over its ``n_top`` most specialised types;
         * domains: routes shuffled against domain labels the same way (a domain takes ``N_D``
-          random token routes): ``max_E N_k(E, D) / N_D`` per domain;
+          random token routes): ``max_E N_k(E, D) / N_D`` per domain and the JSD of the domains'
+          load distributions;
         * layer agreement: layer l+1's first choices shuffled against layer l's: a random table
           with the exact margins of the joint counts, then its NMI and matched agreement;
+        * cross-layer pairs: layer l+1's top-k sets shuffled against layer l's within the route
+          sample (exact when it holds the corpus; a smaller sample only raises the baseline);
         * repetition: first choices shuffled against positions; its expectation is exact,
           ``sum_E c_E (c_E - 1) / (N (N - 1))`` with ``c_E`` the first-choice counts.
         """
-        L, E, N = self.n_layers, self.n_experts, self.n_tokens
+        L, E, N, k = self.n_layers, self.n_experts, self.n_tokens, self.top_k
         rng = np.random.default_rng(self.seed)
         sample = self._sample.routes()
-        self._tokens.compact()
-        type_sizes = self._tokens.counts[self._tokens.counts >= min_token_count]
         names = sorted(self.domain_tokens)
         dom_sizes = np.array([self.domain_tokens[d] for d in names], dtype=np.int64)
         P = self.permutations
-        vocab = np.zeros((P, L))
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=P * (len(TOKEN_KEYS) + 1) + 2 * (L - 1), desc="baselines", disable=not progress)
+        token_spec = {}
+        for key in TOKEN_KEYS:
+            sizes = self.type_sizes(key, min_token_count)
+            if not sizes.size:
+                token_spec[key] = None
+                continue
+            runs = []
+            for _ in range(P):
+                runs.append(
+                    _token_specialization_stats(_permuted_group_counts(sizes, sample, E, rng), sizes, n_top)
+                )
+                bar.update(1)
+            token_spec[key] = (
+                np.mean([r[0] for r in runs], axis=0),
+                np.mean([r[1] for r in runs], axis=0),
+            )
         doms = np.zeros((P, dom_sizes.size, L))
+        jsd = np.zeros((P, L))
         for i in range(P):
-            if type_sizes.size:
-                vocab[i] = _permuted_group_max(type_sizes, sample, E, rng).sum(axis=0) / type_sizes.sum()
             if dom_sizes.size:
-                doms[i] = _permuted_group_max(dom_sizes, sample, E, rng) / dom_sizes[:, None]
+                counts = np.zeros((dom_sizes.size, L, E), dtype=np.int64)
+                for g0, g1, c in _permuted_group_counts(dom_sizes, sample, E, rng):
+                    counts[g0:g1] = c
+                doms[i] = counts.max(axis=2) / dom_sizes[:, None]
+                jsd[i] = self._domain_jsd(counts)
+            bar.update(1)
         agreement = []
         for layer in range(L - 1):
             joint = self.layer_joint[layer]
@@ -528,12 +886,32 @@ class SpecializationAccumulator:
                     float(np.mean([_matched_from_table(t) for t in runs])),
                 )
             )
+            bar.update(1)
+        R = sample.shape[0]
+        cross = []
+        for layer in range(L - 1):
+            stats = [
+                _transition_stats(
+                    _set_joint(sample[:, layer], sample[rng.permutation(R), layer + 1], E), R, k
+                )
+                for _ in range(P)
+            ]
+            bar.update(1)
+            lifts = [st["max_lift"] for st in stats if st["max_lift"] is not None]
+            cross.append(
+                (float(np.mean([st["excess"] for st in stats])), float(np.mean(lifts)) if lifts else None)
+            )
+        bar.close()
         c = self.first.astype(np.float64)
         repetition = ((c * (c - 1)).sum(axis=1) / (N * (N - 1))).tolist() if N > 1 else [0.0] * L
+        vocab = token_spec["input"]
         return {
-            "vocabulary": [float(v) if type_sizes.size else None for v in vocab.mean(axis=0)],
+            "vocabulary": [float(v) for v in vocab[0]] if vocab is not None else [None] * L,
+            "token_specialization": token_spec,
             "domains": doms.mean(axis=0).tolist(),
+            "domain_jsd": jsd.mean(axis=0).tolist() if len(names) > 1 else [None] * L,
             "layer_agreement": agreement,
+            "cross_layer": cross,
             "repetition": [float(r) for r in repetition],
             "method": {
                 "kind": "permutation",
@@ -542,13 +920,30 @@ class SpecializationAccumulator:
                 "sampled_tokens": int(sample.shape[0]),
                 "exact": bool(sample.shape[0] == N),
                 "vocabulary": "routes shuffled against tokens (token types seen >= min_token_count times)",
-                "domains": "token routes shuffled against domain labels",
+                "token_specialization": "routes shuffled against the token of each key (input, next, "
+                "predicted; types seen >= min_token_count times); random routing k/E beside it",
+                "domains": "token routes shuffled against domain labels (max fraction and JSD)",
                 "layer_agreement": "first choices of layer l+1 shuffled against layer l (exact margins)",
+                "cross_layer": "top-k sets of layer l+1 shuffled against layer l's within the route sample",
                 "repetition": "first choices shuffled against positions (exact expectation)",
                 "coactivation": "none by permutation (shuffling routes keeps each token's set); "
-                "reference (k-1)/(E-1) is uniform independent choice",
+                "reference (k-1)/(E-1) is uniform independent choice and (k-1) q_b / (1 - q_a) "
+                "independent choice with the observed loads q",
+                "saturation": "the checkpoint's routes shuffled against the tokens (exact "
+                "expectation: product of the two marginals); random routing 1/E (top-1), k/E (top-k)",
             },
         }
+
+    def _domain_jsd(self, counts: np.ndarray) -> list[float | None]:
+        """Per layer, the JSD of the domains' load distributions ``counts [D, L, E]`` weighted by
+        the domains' token shares (``None`` with fewer than two domains)."""
+        D, L, _ = counts.shape
+        if D < 2:
+            return [None] * L
+        sizes = counts.sum(axis=2)  # [D, L] = N_D * k
+        return [
+            _generalized_jsd(counts[:, layer] / sizes[:, layer, None], sizes[:, layer]) for layer in range(L)
+        ]
 
     def _experts_section(self, decode, token, lay, exp_, cnt, n_x, n_top, min_count) -> list[list[dict]]:
         L, E, W = self.n_layers, self.n_experts, self.context_window
@@ -651,7 +1046,7 @@ class SpecializationAccumulator:
 
     def _coactivation_section(self, n_pairs: int) -> dict:
         L, E, k = self.n_layers, self.n_experts, self.top_k
-        layers = []
+        layers, heat_experts, heatmaps, indep_maps = [], [], [], []
         for layer in range(L):
             c = self.coactivation[layer].astype(np.float64)
             diag = np.diag(c).copy()
@@ -663,9 +1058,28 @@ class SpecializationAccumulator:
                 for i, j in zip(*np.unravel_index(flat, ratio.shape))
                 if ratio[i, j] > 0
             ]
-            layers.append({"layer": layer, "max_ratio": float(ratio.max()), "top_pairs": pairs})
+            q = self.load[layer] / max(1, self.load[layer].sum())
+            indep = (k - 1) * q[None, :] / np.maximum(1.0 - q[:, None], 1e-12)
+            np.fill_diagonal(indep, 0.0)
+            off = ~np.eye(E, dtype=bool) & (diag[:, None] > 0) & (indep > 0)
+            top_e = np.argsort(-self.load[layer], kind="stable")[: min(E, HEATMAP_EXPERTS)]
+            heat_experts.append([int(e) for e in top_e])
+            heatmaps.append(ratio[np.ix_(top_e, top_e)].round(4).tolist())
+            indep_maps.append(indep[np.ix_(top_e, top_e)].round(4).tolist())
+            layers.append(
+                {
+                    "layer": layer,
+                    "max_ratio": float(ratio.max()),
+                    "max_ratio_baseline": float(indep.max()),
+                    "mean_lift": float((ratio[off] / indep[off]).mean()) if off.any() else None,
+                    "top_pairs": pairs,
+                }
+            )
         return {
             "uniform": (k - 1) / (E - 1) if E > 1 else 0.0,
+            "top_experts": heat_experts,
+            "heatmaps": heatmaps,
+            "independent_heatmaps": indep_maps,
             "by_layer": layers,
             "matrix_layers": sorted({0, L // 2, L - 1}),
             "matrices": {
