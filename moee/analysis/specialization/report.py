@@ -232,8 +232,15 @@ class _Predictions:
             self._handle = None
 
     def _hook(self, module, args, output) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        self.batch = self.head(hidden).argmax(dim=-1).cpu().numpy()
+        self.batch = None
+        if not self.available:
+            return
+        try:
+            hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            self.batch = self.head(hidden).argmax(dim=-1).cpu().numpy()
+        except (AttributeError, TypeError, RuntimeError, IndexError) as exc:
+            # a head that does not take the backbone's output: no predictions, the routes still count
+            self.available, self.reason = False, f"the LM head failed on the backbone output: {exc}"
 
     def for_text(self, index: int, n_tokens: int, batch_size: int) -> np.ndarray | None:
         """The predictions of text ``index`` of the current ``iter_token_routes`` batch (left-padded
