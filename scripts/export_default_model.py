@@ -289,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate-gamma", type=float, default=0.002)
     p.add_argument("--calibrate-batch-size", type=int, default=16)
     p.add_argument(
+        "--calibrate-seq-len",
+        type=int,
+        default=None,
+        help="window length of the calibration batches (default data.seq_len; the declared --context "
+        "balances every position a user's text reaches)",
+    )
+    p.add_argument(
         "--card-only", action="store_true", help="rewrite README.md from --out's metrics.json only"
     )
     args = p.parse_args(argv)
@@ -325,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration = None
     if args.calibrate_steps:
         train_tokens = load_tokens(tokenize_to_file(data["train"], tokenizer, data["cache_dir"]))
-        sampler = WindowSampler(train_tokens, data["seq_len"], cfg["seed"])
+        cal_len = args.calibrate_seq_len or data["seq_len"]
+        sampler = WindowSampler(train_tokens, cal_len, cfg["seed"])
         start = state["data_position"]
         end = calibrate_router_biases(
             model, sampler, start, args.calibrate_batch_size, args.calibrate_steps, args.calibrate_gamma
@@ -335,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.calibrate_steps,
             "gamma": args.calibrate_gamma,
             "batch_size": args.calibrate_batch_size,
+            "seq_len": cal_len,
             "train_windows": [start, end],
         }
     # ship float16 weights; measure what ships (round-trip the weights through float16)
