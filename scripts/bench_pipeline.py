@@ -74,6 +74,32 @@ class NaivePipeline:
         self.tokenizer = tokenizer
         self.max_length = max_length
 
+    def _forward(self, enc):
+        """The model's own ``output_router_logits`` where it has one (OLMoE-style), else what a user
+        would write: a forward hook on each router keeping its full logits."""
+        try:
+            out = self.model(**enc, output_router_logits=True, output_hidden_states=True, use_cache=False)
+            logits = getattr(out, "router_logits", None)
+        except TypeError:
+            out, logits = None, None
+        if logits:
+            return out, logits
+        from moee.capture.registry import find_routers
+
+        kept: list[torch.Tensor] = []
+        handles = [
+            spec.module.register_forward_hook(
+                lambda _m, _i, o: kept.append(o[0] if isinstance(o, tuple) else o)
+            )
+            for spec in find_routers(self.model)
+        ]
+        try:
+            out = self.model(**enc, output_hidden_states=True, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        return out, kept
+
     def encode(self, texts: list[str], batch_size: int, alpha: float = 1.0) -> np.ndarray:
         hs_rows, rw_rows = [], []
         self.tokenizer.padding_side = "right"
@@ -86,13 +112,13 @@ class NaivePipeline:
                     max_length=self.max_length,
                     return_tensors="pt",
                 )
-                out = self.model(**enc, output_router_logits=True, output_hidden_states=True, use_cache=False)
+                out, router_logits = self._forward(enc)
                 last = enc["attention_mask"].sum(1) - 1
                 rows = torch.arange(len(last))
                 hs_rows.append(out.hidden_states[-1][rows, last].float())
                 batch, width = enc["input_ids"].shape
                 layers = [
-                    lg.reshape(batch, width, -1)[rows, last].float().softmax(-1) for lg in out.router_logits
+                    lg.reshape(batch, width, -1)[rows, last].float().softmax(-1) for lg in router_logits
                 ]
                 rw_rows.append(torch.stack(layers, dim=1))
         return combine(torch.cat(hs_rows).numpy(), torch.cat(rw_rows).numpy(), "moee_sum", alpha=alpha)

@@ -1,10 +1,17 @@
 """The routes tried for the bundled default model, side by side on the offline suite.
 
     python scripts/compare_default_model_routes.py \
-        --route "from scratch (previous bundled model)=build/routes/scratch/tables.json" \
-        --route "upcycled all-MiniLM-L6-v2, no training=build/routes/upcycled_step0/tables.json" \
-        --route "upcycled + continued pretraining (bundled)=eval/results/offline/tables.json" \
-        --out eval/results/default_model_routes
+        --route "from scratch (previous bundled model), last token=eval/results/default_model_routes/from_scratch_tables.json" \
+        --route "upcycled all-MiniLM-L6-v2 before training, last token=eval/results/default_model_routes/upcycled_step0_tables.json" \
+        --route "upcycled + 300 steps (bundled), last token=eval/results/offline/tables.json" \
+        --route "upcycled + 300 steps (bundled), mean pooling=eval/results/offline_mean/tables.json" \
+        --out eval/results/default_model_routes/routes
+
+The inputs: the previous bundled model's `eval/run_offline.sh` tables (from_scratch_tables.json); the
+upcycled model before training (`moee upcycle` output, build/upcycled-minilm), evaluated with
+`moee evaluate --model build/upcycled-minilm --tasks offline --methods hs,rw,moee_concat,moee_sum
+--prompts none --alpha auto --alpha-rule spearman` (upcycled_step0_tables.json; its PromptEOL rows are
+partial and have no average); the bundled model's `eval/run_offline.sh` outputs.
 
 Each --route is LABEL=TABLES_JSON, a `moee evaluate` output (tables.json) of one model on the offline
 suite. Writes OUT.json (every number, with each table's run record) and OUT.md: per route and method,
@@ -84,9 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         moe = [row for row in r["rows"] if "MiniLM" not in row["model"]]
         rw = [row for row in moe if row["settings"].get("method") == "rw"]
         best = {
-            "lee_sts (best MoE method) >= 40": max((x["lee_sts"] for x in moe if x["lee_sts"] is not None), default=None),
-            "lee_sts (RW alone) >= 25": max((x["lee_sts"] for x in rw if x["lee_sts"] is not None), default=None),
-            "retrieval family >= 40": max((x["Retrieval"] for x in moe if x["Retrieval"] is not None), default=None),
+            "lee_sts (best MoE method) >= 40": max(
+                (x["lee_sts"] for x in moe if x["lee_sts"] is not None), default=None
+            ),
+            "lee_sts (RW alone) >= 25": max(
+                (x["lee_sts"] for x in rw if x["lee_sts"] is not None), default=None
+            ),
+            "retrieval family >= 40": max(
+                (x["Retrieval"] for x in moe if x["Retrieval"] is not None), default=None
+            ),
             "family average >= 50": max((x["Avg"] for x in moe if x["Avg"] is not None), default=None),
         }
         cells = []

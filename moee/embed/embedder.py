@@ -220,7 +220,9 @@ class MoEEmbedder:
         self._pad_id = self._prepare_pad_token()
         self._empty_ids = self._empty_text_ids()
         #: What ``encode`` uses for every configuration keyword the caller leaves out.
-        self.default_config = default_config(name_or_path)
+        # the name the caller gave or the model's own path: a model passed without either is not
+        # the bundled one, so it gets EmbeddingConfig's defaults
+        self.default_config = default_config(self.name_or_path)
         self._digest: str | None = None
 
     # ------------------------------------------------------------------ loading
