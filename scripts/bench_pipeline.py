@@ -71,6 +71,7 @@ class NaivePipeline:
 
     def __init__(self, model, tokenizer, max_length: int, use_lm_head: bool = False) -> None:
         self.model = model if use_lm_head else model.base_model
+        self.full_model = model  # routers are declared on the full model (_can_record_outputs)
         self.tokenizer = tokenizer
         self.max_length = max_length
 
@@ -91,7 +92,7 @@ class NaivePipeline:
             spec.module.register_forward_hook(
                 lambda _m, _i, o: kept.append(o[0] if isinstance(o, tuple) else o)
             )
-            for spec in find_routers(self.model)
+            for spec in find_routers(self.full_model)
         ]
         try:
             out = self.model(**enc, output_hidden_states=True, use_cache=False)
@@ -189,9 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         # score="softmax": the naive recipe takes the softmax of output_router_logits, so both sides
         # compute the same vectors for every router (the default, the router's own rule, differs for
         # sigmoid routers such as the bundled one's)
-        "ours_moee_sum": lambda: ours.encode(texts, score="softmax", batch_size=bs, show_progress_bar=False),
+        "ours_moee_sum": lambda: ours.encode(
+            texts, score="softmax", pooling="last", batch_size=bs, show_progress_bar=False
+        ),
         "naive_moee_sum": lambda: naive.encode(texts, bs),
-        "ours_hs": lambda: ours.encode(texts, method="hs", batch_size=bs, show_progress_bar=False),
+        "ours_hs": lambda: ours.encode(
+            texts, method="hs", pooling="last", batch_size=bs, show_progress_bar=False
+        ),
     }
     st_error = None
     try:

@@ -218,16 +218,17 @@ def test_tokenize_prompts_counts_the_cut_and_rejects_a_template_too_long(tiny):
 
 def test_long_texts_under_prompteol_with_the_bundled_model():
     """The bundled model declares the 256-token context it was trained on, and a long real text cut
-    to it under PromptEOL still ends with the template (byte-level BPE: offsets, merges)."""
+    to it under PromptEOL still ends with the template (real WordPiece offsets)."""
     from moee.data.offline_tasks import load_task_data
     from moee.embed.embedder import MoEEmbedder
 
     emb = MoEEmbedder.from_pretrained(None, device="cpu")
     assert emb.max_length == 256
-    assert emb.model.config.max_position_embeddings == 256 and emb.tokenizer.model_max_length == 256
+    assert emb.tokenizer.model_max_length == 256
     text = " ".join(r["text"] for r in load_task_data("reuters_classification")["test"][:3])
     with pytest.warns(UserWarning, match="1 of 2 texts were longer than 256 tokens"):
         (long_ids, short_ids) = _ids(emb, [text, "Wheat prices rose"], "prompteol")
     tail = emb.tokenizer(' means in one word:"', add_special_tokens=False)["input_ids"]
     assert len(long_ids) <= 256 and long_ids[-len(tail) :] == short_ids[-len(tail) :]
-    assert emb.tokenizer.decode(long_ids).endswith('." means in one word:"')
+    # WordPiece decoding spaces the pieces apart: compare without spaces
+    assert emb.tokenizer.decode(long_ids).replace(" ", "").endswith('."meansinoneword:"')
