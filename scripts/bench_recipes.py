@@ -59,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     texts = length_mix_texts(args.texts, seed=0)
     n_layers = len(_decoder_layers(emb.model))
     with tempfile.TemporaryDirectory() as tmp:
-        reference = emb.fit_reference(length_mix_texts(128, seed=1), Path(tmp) / "ref", prompt="prompteol")
+        # the variants are EmbeddingConfig(...)s (last-token pooling), so fit the reference under the same pooling
+        reference = emb.fit_reference(
+            length_mix_texts(128, seed=1),
+            Path(tmp) / "ref",
+            prompt="prompteol",
+            pooling=EmbeddingConfig().pooling,
+        )
         configs = {}
         for name, fields in VARIANTS.items():
             fields = dict(fields)
