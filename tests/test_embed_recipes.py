@@ -268,24 +268,12 @@ def test_reference_of_another_model_or_configuration_is_refused(emb, tmp_path):
 
 # ---------------------------------------------------------------------------- every recipe, batch invariant
 def _moee_lm():
-    from moee.moe.lm import MoEEConfig, MoEEForCausalLM
+    from test_moe_lm import tiny_config as moee_lm_config
+
+    from moee.moe.lm import MoEEForCausalLM
 
     torch.manual_seed(0)
-    model = MoEEForCausalLM(
-        MoEEConfig(
-            vocab_size=64,
-            hidden_size=16,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=8,
-            first_k_dense_replace=1,
-            intermediate_size=32,
-            pad_token_id=0,
-            eos_token_id=3,
-        )
-    )
+    model = MoEEForCausalLM(moee_lm_config(pad_token_id=0, eos_token_id=3))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "router" in name or "gate" in name:

@@ -464,14 +464,11 @@ def _build_model(cfg: dict, tokenizer: Any):
 def _load_init(source: str, tokenizer: Any, seq_len: int):
     """Continued pretraining: the model saved at ``source`` (safetensors; e.g. a `moee upcycle`
     output), checked against the tokenizer and the window length."""
-    from transformers import AutoModelForCausalLM
-
     import moee.moe.lm  # noqa: F401  (registers moee_lm)
     import moee.moe.upcycled  # noqa: F401  (registers moee_upcycled)
-    from moee.loading import check_model_source
+    from moee.loading import load_causal_lm
 
-    check_model_source(source)
-    model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True, dtype=torch.float32)
+    model = load_causal_lm(source, dtype=torch.float32)
     vocab = model.get_input_embeddings().weight.shape[0]
     if vocab < len(tokenizer):
         raise ValueError(f"init.from {source}: its vocabulary of {vocab} < tokenizer size {len(tokenizer)}")
