@@ -8,7 +8,8 @@
 # the same time from one working tree and nothing is written into it. The report (a summary, then
 # every mutant with its status) goes to $MUTATION_REPORT_DIR (default /tmp/moee-mutation-results)
 # as <source path with / -> _>.txt.
-# Environment: MUTATION_JOBS (parallel mutants, default 2), MUTATION_KEEP=1 keeps the copy.
+# Environment: MUTATION_JOBS (parallel mutants, default 2), MUTATION_KEEP=1 keeps the copy,
+# MUTATION_ONLY (space-separated mutant-name globs, e.g. '*_TokenTables*': mutate those functions only).
 # Inspect one survivor inside the kept copy with `mutmut show <name>`.
 set -euo pipefail
 
@@ -82,7 +83,8 @@ start=$(date +%s)
   cd "$work"
   export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-  nice -n 10 mutmut run --max-children "${MUTATION_JOBS:-2}" >"$work/run.log" 2>&1 || {
+  read -r -a only <<<"${MUTATION_ONLY:-}"
+  nice -n 10 mutmut run --max-children "${MUTATION_JOBS:-2}" "${only[@]}" >"$work/run.log" 2>&1 || {
     tail -40 "$work/run.log" >&2
     exit 1
   }

@@ -28,7 +28,9 @@ for name in "${selected[@]}"; do
       run scripts/bench_search.py
       run scripts/bench_search.py --isotropic --nprobe 8 32 128 256 ;;
     recipes) run scripts/bench_recipes.py ;;
-    report) run scripts/bench_report.py --tokens 1000000 --reps 1 ;;
+    report)  # the bundled model's training corpus: real text, real vocabulary growth
+      [ -f build/corpus/train.jsonl ] || run scripts/build_corpus.py
+      OMP_NUM_THREADS=2 run scripts/bench_report.py --corpus build/corpus/train.jsonl --tokens 1000000 --reps 1 ;;
     gpu_smoke) run scripts/gpu_check.py --tiny --out /tmp/gpu_check_tiny.json ;;
     *) echo "unknown benchmark: $name (capture pipeline moe_layer training search recipes report gpu_smoke)" >&2; exit 2 ;;
   esac

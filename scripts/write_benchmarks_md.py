@@ -426,8 +426,9 @@ def report_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
         "",
         _command(r),
         f"Model `{m['name']}` ({m['n_moe_layers']} MoE layers x {m['n_experts']} experts, top-{m['top_k']}); "
-        f"{c['tokens']:,} tokens in {c['texts']:,} texts, batch {c['batch_size']}, {c['permutations']} "
-        f"permutations per baseline, {c['reps']} interleaved repetition(s), {c['threads']} thread(s).",
+        f"{c['tokens']:,} tokens in {c['texts']:,} texts of {c.get('corpus', 'built-in paragraphs')}, batch "
+        f"{c['batch_size']}, {c['permutations']} permutations per baseline, {c['reps']} interleaved "
+        f"repetition(s), {c['threads']} thread(s).",
         "",
         "| path | seconds (each repetition) | tokens/s (best) |",
         "|---|---|---|",
@@ -436,13 +437,35 @@ def report_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
         f"| `moee report` (every section and baseline) | {', '.join(f'{x:.1f}' for x in r['report_s'])} | "
         f"{r['tokens_per_s']['report']:,.0f} |",
         "",
-        f"Median ratio report / plain forward: **{ratio:.3f}** (goal <= 1.5 at >= 1M tokens). Peak resident "
-        f"memory above the start of the call: {mem['peak_rss_above_start_quarter_bytes'] / 2**20:.0f} MiB for "
-        f"{mem['quarter_tokens']:,} tokens, {mem['peak_rss_above_start_full_bytes'] / 2**20:.0f} MiB for "
-        f"{c['tokens']:,} (the accumulators are fixed-size; what grows is bounded by the vocabulary seen and "
-        "the capped route sample).",
+        f"Median ratio report / plain forward: **{ratio:.3f}** (goal <= 1.5 at >= 1M tokens).",
         "",
     ]
+    if "ratio_full_vs_quarter" in mem:
+        q = r.get("quarter", {})
+        lines += [
+            f"Memory, each size in a fresh process (peak resident memory above the start of the report call, "
+            f"{mem['method']}): **{mem['peak_rss_above_start_quarter_bytes'] / 2**20:.0f} MiB** for "
+            f"{mem['quarter_tokens']:,} tokens ({mem['token_types']['quarter']:,} token types seen), "
+            f"**{mem['peak_rss_above_start_full_bytes'] / 2**20:.0f} MiB** for {c['tokens']:,} "
+            f"({mem['token_types']['full']:,} types): x{mem['ratio_full_vs_quarter']:.2f} for 4x the tokens "
+            f"(goal: flat, <= x{r['goal']['max_memory_ratio_full_vs_quarter']:.2f}); untracked tokens "
+            f"{mem['untracked_tokens']:,}. The token tables are allocated for the whole vocabulary at the "
+            "start, so what is left of the peak is the forward of one batch, the heap it leaves within a chunk "
+            "of texts (released after each) and bounded blocks."
+            + (
+                f" The quarter's own ratio report / plain: {q['ratio_report_vs_plain']:.3f}."
+                if "ratio_report_vs_plain" in q
+                else ""
+            ),
+            "",
+        ]
+    else:
+        lines += [
+            f"Peak resident memory above the start of the call: {mem['peak_rss_above_start_quarter_bytes'] / 2**20:.0f} "
+            f"MiB for {mem['quarter_tokens']:,} tokens, {mem['peak_rss_above_start_full_bytes'] / 2**20:.0f} MiB "
+            f"for {c['tokens']:,}.",
+            "",
+        ]
     row = [
         "8",
         "moee report / plain forward; memory 1/4 vs all tokens",

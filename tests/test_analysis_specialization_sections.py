@@ -220,6 +220,22 @@ def test_predicted_tokens_are_the_lm_argmax_of_the_same_forward(tiny):
     )
 
 
+def test_predictions_are_the_same_when_the_head_runs_in_slices(tiny, monkeypatch):
+    """The LM head runs over slices of positions (bounded logits): one position per slice gives
+    the predictions of the whole batch at once."""
+    import moee.analysis.specialization.report as report
+    from moee.analysis.specialization import build_report
+
+    whole = build_report(tiny, TEXTS, progress=False, min_token_count=1)["token_view"]["texts"]
+    monkeypatch.setattr(report, "PREDICTION_LOGITS", 1)
+    sliced = report._Predictions(tiny)
+    assert sliced.rows == 1
+    one = build_report(tiny, TEXTS, progress=False, min_token_count=1)["token_view"]["texts"]
+    assert [t["predicted"] for t in one] == [t["predicted"] for t in whole]
+    monkeypatch.setattr(report, "PREDICTION_LOGITS", 10**9)
+    assert report._Predictions(tiny).rows == 10**9 // tiny.model.get_output_embeddings().weight.shape[0]
+
+
 def test_routing_overlap_of_a_model_with_itself_is_one_and_another_seed_is_lower(tiny):
     from moee.analysis.specialization import routing_overlap
     from moee.capture.tiny import tiny_model
@@ -288,22 +304,21 @@ def test_checkpoint_step_parsing(tmp_path):
 
 
 def test_streaming_state_does_not_grow_with_the_corpus():
-    """Twice the texts over the same vocabulary: every accumulator array keeps its size."""
+    """Twice the texts over the same vocabulary: every accumulator array keeps its size; with the
+    vocabulary size given, the token tables hold it whole from the first text."""
     rng = np.random.default_rng(0)
 
     def state(n_texts):
-        acc = SpecializationAccumulator(2, 4, 2, permutations=1, baseline_sample=64)
+        acc = SpecializationAccumulator(2, 4, 2, permutations=1, baseline_sample=64, vocab_size=20)
         for i in range(n_texts):
             ids = rng.integers(0, 20, 30)
             acc.update(ids, rng.dirichlet(np.ones(4), size=(30, 2)), text_index=i, predicted=ids)
         acc._sample.compact()
-        for by_expert, by_token in acc._token_counts.values():
-            by_expert.compact()
-            by_token.compact()
         sizes = {k: v.nbytes for k, v in vars(acc).items() if isinstance(v, np.ndarray)}
-        sizes |= {
-            f"{k}{i}": c.keys.nbytes for k, pair in acc._token_counts.items() for i, c in enumerate(pair)
-        }
+        tables = acc._types
+        sizes |= {k: v.nbytes for k, v in vars(tables).items() if isinstance(v, np.ndarray)}
+        sizes |= {f"{k}-counts": v.nbytes for k, v in tables.counts.items()}
+        sizes |= {f"{k}-occurrences": v.nbytes for k, v in tables.occurrences.items()}
         sizes["sample"] = acc._sample.sel.nbytes
         return sizes
 
@@ -311,3 +326,35 @@ def test_streaming_state_does_not_grow_with_the_corpus():
     small.pop("last_selection"), large.pop("last_selection")
     small.pop("last_first"), large.pop("last_first")
     assert small == large
+    assert small["input-counts"] == 20 * 2 * 4 * 4  # the whole vocabulary, int32
+
+
+def test_report_sizes_its_tables_by_the_vocabulary_and_shows_a_cap(tiny):
+    """build_report sizes the token tables to the model's vocabulary (whole, exact); with a cap the
+    page says how many tokens went uncounted."""
+    from moee.analysis.specialization import build_report, render_html
+    from moee.analysis.specialization.report import vocab_size
+
+    V = vocab_size(tiny)
+    assert V == max(tiny.model.config.vocab_size, len(tiny.tokenizer))
+    whole = build_report(tiny, TEXTS, progress=False, min_token_count=1)
+    ts = whole["token_specialization"]
+    assert ts["max_token_types"] == V and all(v["untracked_tokens"] == 0 for v in ts["by_key"].values())
+    assert "not counted here" not in render_html(whole)
+    capped = build_report(tiny, TEXTS, progress=False, min_token_count=1, max_token_types=2)
+    untracked = capped["token_specialization"]["by_key"]["input"]["untracked_tokens"]
+    assert capped["token_specialization"]["n_token_types"] == 2 and untracked > 0
+    assert f"input {untracked:,} of" in render_html(capped)
+
+
+def test_free_heap_is_released_after_every_chunk(tiny, monkeypatch):
+    """The report hands freed heap pages back once per chunk of texts (flat memory over a long
+    corpus); the release itself is safe to call anywhere."""
+    import moee.analysis.specialization.report as report
+    from moee.analysis.specialization import build_report
+
+    report.release_free_heap()
+    calls = []
+    monkeypatch.setattr(report, "release_free_heap", lambda: calls.append(1))
+    build_report(tiny, TEXTS, progress=False, min_token_count=1, chunk_size=1)
+    assert len(calls) == len(TEXTS)

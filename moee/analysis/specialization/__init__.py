@@ -2,8 +2,8 @@
 
 Token-level routes come from ``MoEEmbedder.iter_token_routes`` one text at a time and are folded
 into fixed-size accumulators (``SpecializationAccumulator``), so memory depends on the model
-(layers x experts), the vocabulary actually seen, a few top-context slots and a bounded sample of
-token routes for the baselines, never on the corpus length. Statistics, for MoE layer ``l``,
+(its vocabulary x layers x experts, capped by ``TOKEN_TABLE_BYTES``), a few top-context slots and a
+bounded sample of token routes for the baselines, never on the corpus length. Statistics, for MoE layer ``l``,
 expert ``E``, k = the model's top-k:
 
 * selection: the experts the router itself chose (its top-k indices, group limits and biases
@@ -70,6 +70,7 @@ from moee.analysis.specialization.report import (
 from moee.analysis.specialization.statistics import (  # noqa: F401
     BASELINE_SAMPLE_BYTES,
     TOKEN_KEYS,
+    TOKEN_TABLE_BYTES,
     SpecializationAccumulator,
     _cv,
     _entropy,
@@ -94,6 +95,7 @@ __all__ = [
     "write_report",
     "REPORT_SECTIONS",
     "TOKEN_KEYS",
+    "TOKEN_TABLE_BYTES",
     "lm_head",
     "routing_overlap",
     "checkpoint_step",

@@ -860,6 +860,14 @@ def _token_specialization(report: dict, page: Page) -> str:
         parts.append(
             f"<p class='missing'>{esc(k)}: not available ({esc(str(ts['by_key'][k].get('reason') or ''))}).</p>"
         )
+    untracked = {k: ts["by_key"][k].get("untracked_tokens") or 0 for k in keys}
+    if any(untracked.values()):
+        parts.append(
+            f"<p class='missing'>The token tables hold {esc(str(ts.get('max_token_types')))} token types "
+            "(the memory cap); tokens of types seen after they filled are not counted here: "
+            + ", ".join(f"{esc(k)} {n:,} of {ts['by_key'][k]['n_tokens']:,}" for k, n in untracked.items())
+            + ".</p>"
+        )
     if not keys:
         return "".join(parts)
     plt = _plt()

@@ -16,7 +16,7 @@ import numpy as np
 from moee.analysis.overlap import matched_from_table as _matched_from_table
 from moee.analysis.overlap import nmi_from_table as _nmi_from_table
 
-__all__ = ["SpecializationAccumulator", "BASELINE_SAMPLE_BYTES", "TOKEN_KEYS"]
+__all__ = ["SpecializationAccumulator", "BASELINE_SAMPLE_BYTES", "TOKEN_KEYS", "TOKEN_TABLE_BYTES"]
 
 #: The three tokens a route can be attributed to (token specialization), with what each means.
 TOKEN_KEYS = {
@@ -29,31 +29,90 @@ TOKEN_KEYS = {
 HEATMAP_EXPERTS = 16
 
 
-class _SparseCounter:
-    """Counts of non-negative int64 keys, kept as sorted unique arrays and compacted in bulk."""
+#: Default bound on the memory of the per-token-type tables, all ``TOKEN_KEYS`` together (bytes).
+TOKEN_TABLE_BYTES = 1 << 30
 
-    def __init__(self, compact_every: int = 2_000_000):
-        self.keys = np.zeros(0, dtype=np.int64)
-        self.counts = np.zeros(0, dtype=np.int64)
-        self._pending: list[np.ndarray] = []
-        self._n_pending = 0
-        self._compact_every = compact_every
 
-    def add(self, keys: np.ndarray) -> None:
-        self._pending.append(np.asarray(keys, dtype=np.int64).ravel())
-        self._n_pending += self._pending[-1].size
-        if self._n_pending >= self._compact_every:
-            self.compact()
+class _TokenTables:
+    """Expert counts ``N(t, layer, expert)`` and occurrences ``N_t`` per token type t, one dense
+    table ``[types, L, E]`` per key of ``keys``, over at most ``max_types`` token types.
 
-    def compact(self) -> None:
-        if not self._pending:
+    A type gets its row when first seen (by id within a text), so memory is set by the model
+    (its vocabulary x layers x experts, capped at ``max_types`` rows), never by the corpus
+    length. Tokens of types seen after the rows ran out are counted in ``untracked``, their
+    routes left out of the tables. ``capacity`` rows are allocated and written at once (the whole
+    vocabulary when it is known: the memory is taken, and any shortage shows, at the start, not
+    hours into a corpus); without it the tables double as types arrive, up to ``max_types``.
+    """
+
+    def __init__(self, n_layers: int, n_experts: int, keys, max_types: int, capacity: int):
+        self.n_layers, self.n_experts = int(n_layers), int(n_experts)
+        self.max_types = int(max_types)
+        capacity = max(1, min(int(capacity), self.max_types))
+        self.n_types = 0
+        self._sorted_ids = np.zeros(0, dtype=np.int64)  # every tracked token id, ascending
+        self._sorted_rows = np.zeros(0, dtype=np.int64)  # the row of each of them
+        self.type_ids = np.zeros(capacity, dtype=np.int64)  # the token id of each row
+        self.counts = {key: np.full((capacity, n_layers, n_experts), 0, dtype=np.int32) for key in keys}
+        self.occurrences = {key: np.zeros(capacity, dtype=np.int64) for key in keys}
+        self.tokens = dict.fromkeys(keys, 0)
+        self.untracked = dict.fromkeys(keys, 0)
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.type_ids.size
+        if needed <= capacity:
             return
-        new = np.concatenate(self._pending)
-        keys = np.concatenate([self.keys, new])
-        weights = np.concatenate([self.counts, np.ones(new.size, dtype=np.int64)])
-        self.keys, inverse = np.unique(keys, return_inverse=True)
-        self.counts = np.bincount(inverse, weights=weights, minlength=self.keys.size).astype(np.int64)
-        self._pending, self._n_pending = [], 0
+        capacity = min(self.max_types, max(needed, 2 * capacity))
+        extra = capacity - self.type_ids.size
+        self.type_ids = np.concatenate([self.type_ids, np.zeros(extra, dtype=np.int64)])
+        for key, table in self.counts.items():
+            self.counts[key] = np.concatenate([table, np.zeros((extra, *table.shape[1:]), dtype=table.dtype)])
+            self.occurrences[key] = np.concatenate([self.occurrences[key], np.zeros(extra, dtype=np.int64)])
+
+    def rows(self, tokens: np.ndarray) -> np.ndarray:
+        """The row of every token (``-1`` for a type left untracked), giving new types rows."""
+        ids = self._sorted_ids
+        new = np.unique(tokens)
+        if ids.size:
+            new = new[ids[np.minimum(np.searchsorted(ids, new), ids.size - 1)] != new]
+        new = new[: self.max_types - self.n_types]
+        if new.size:
+            self._grow(self.n_types + new.size)
+            new_rows = np.arange(self.n_types, self.n_types + new.size)
+            self.type_ids[new_rows] = new
+            self.n_types += new.size
+            where = np.searchsorted(ids, new)
+            self._sorted_ids = np.insert(ids, where, new)
+            self._sorted_rows = np.insert(self._sorted_rows, where, new_rows)
+            ids = self._sorted_ids
+        if not ids.size:
+            return np.full(tokens.size, -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(ids, tokens), ids.size - 1)
+        return np.where(ids[at] == tokens, self._sorted_rows[at], -1)
+
+    def add(self, key: str, tokens: np.ndarray, routes: np.ndarray) -> None:
+        """Count ``tokens [n]`` with their selected experts ``routes [n, L, k]`` under ``key``."""
+        L, E = self.n_layers, self.n_experts
+        self.tokens[key] += int(tokens.size)
+        rows = self.rows(tokens)
+        tracked = rows >= 0
+        self.untracked[key] += int(tokens.size - tracked.sum())
+        rows, routes = rows[tracked], routes[tracked]
+        table = self.counts[key]
+        if self.tokens[key] > np.iinfo(table.dtype).max:  # a count could overflow: widen once
+            table = self.counts[key] = table.astype(np.int64)
+        np.add.at(self.occurrences[key], rows, 1)
+        flat = (rows[:, None, None] * L + np.arange(L)[None, :, None]) * E + routes
+        np.add.at(table.reshape(-1), flat.ravel(), 1)
+
+    def view(self, key: str, min_count: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(token ids, N_t, counts [G, L, E])`` of the types of ``key`` seen at least
+        ``min_count`` times (at least once), in ascending token id."""
+        n = self.n_types
+        order = np.argsort(self.type_ids[:n], kind="stable")
+        occ = self.occurrences[key][:n][order]
+        order = order[occ >= max(1, int(min_count))]
+        return self.type_ids[order], self.occurrences[key][order], self.counts[key][order]
 
 
 def _cv(v: np.ndarray) -> float:
@@ -117,7 +176,7 @@ class _RouteSample:
             (priority, np.full(pos.size, text_index, dtype=np.int64), pos, sel.astype(self._dtype))
         )
         self._n_pending += pos.size
-        if self._n_pending >= self.capacity:
+        if self._n_pending >= max(1, self.capacity // 4):  # pending + kept: at most 1.25 x capacity
             self.compact()
 
     def compact(self) -> None:
@@ -170,8 +229,8 @@ def _permuted_group_counts(
         return
     perm = rng.permutation(R) if total <= R else None
     ends = np.cumsum(sizes)
-    max_groups = max(1, (1 << 22) // (L * E))
-    max_tokens = max(1, (1 << 23) // (L * k))
+    max_groups = max(1, (1 << 20) // (L * E))
+    max_tokens = max(1, (1 << 21) // (L * k))
     layer_off = (np.arange(L) * E)[None, :, None]
     for g0, g1, t0, t1 in _group_blocks(ends, max_groups, max_tokens):
         counts = np.zeros((g1 - g0) * L * E, dtype=np.int64)
@@ -284,6 +343,9 @@ def _random_table(rows: np.ndarray, cols: np.ndarray, rng: np.random.Generator) 
     return table
 
 
+#: Token types per block when the observed token statistics are reduced (bounds their temporaries).
+_ROW_BLOCK = 4096
+
 #: Default bound on the memory of the route sample behind the permutation baselines (bytes).
 BASELINE_SAMPLE_BYTES = 1 << 26
 
@@ -293,6 +355,9 @@ class SpecializationAccumulator:
 
     ``permutations`` and ``seed`` set the permutation baselines; ``baseline_sample`` bounds the
     number of token routes kept for them (default: as many as fit in ``BASELINE_SAMPLE_BYTES``).
+    ``vocab_size`` (the model's, when known) sizes the per-token-type tables at once;
+    ``max_token_types`` caps their rows (default: every type of the vocabulary, at most as many
+    as fit in ``TOKEN_TABLE_BYTES``); types seen beyond the cap are reported as untracked.
     """
 
     def __init__(
@@ -306,8 +371,16 @@ class SpecializationAccumulator:
         permutations: int = 10,
         seed: int = 0,
         baseline_sample: int | None = None,
+        vocab_size: int | None = None,
+        max_token_types: int | None = None,
     ):
-        for name, value in (("n_layers", n_layers), ("n_experts", n_experts), ("top_k", top_k)):
+        for name, value in (
+            ("n_layers", n_layers),
+            ("n_experts", n_experts),
+            ("top_k", top_k),
+            ("vocab_size", 1 if vocab_size is None else vocab_size),
+            ("max_token_types", 1 if max_token_types is None else max_token_types),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if top_k > n_experts:
@@ -349,10 +422,17 @@ class SpecializationAccumulator:
         self.domain_load: dict[str, np.ndarray] = {}
         self.selection_entropy_sum = np.zeros(L)
         self.set_joint = np.zeros((max(L - 1, 0), E, E), dtype=np.int64)
-        # per token key (TOKEN_KEYS): counts of (token_id * L + layer) * E + expert, and of token_id
-        self._token_counts = {key: (_SparseCounter(), _SparseCounter()) for key in TOKEN_KEYS}
-        self._key_tokens = dict.fromkeys(TOKEN_KEYS, 0)
-        self._vocab, self._tokens = self._token_counts["input"]
+        if max_token_types is None:
+            max_token_types = max(1, TOKEN_TABLE_BYTES // (len(TOKEN_KEYS) * L * E * 4))
+            if vocab_size is not None:
+                max_token_types = min(max_token_types, int(vocab_size))
+        self._types = _TokenTables(
+            L,
+            E,
+            TOKEN_KEYS,
+            int(max_token_types),
+            capacity=int(max_token_types) if vocab_size is not None else 1024,
+        )
         width = 2 * self.context_window + 1
         self.best_prob = np.full((self.n_contexts, L, E), -np.inf)
         self.best_text = np.full((self.n_contexts, L, E), -1, dtype=np.int64)
@@ -448,12 +528,8 @@ class SpecializationAccumulator:
             ("next", (ids[1:], sel[:-1])),
             ("predicted", (predicted, sel)),
         ):
-            if tokens is None or tokens.size == 0:
-                continue
-            by_expert, by_token = self._token_counts[key]
-            by_token.add(tokens)
-            by_expert.add(((tokens[:, None, None] * L + np.arange(L)[None, :, None]) * E + routes).ravel())
-            self._key_tokens[key] += int(tokens.size)
+            if tokens is not None and tokens.size:
+                self._types.add(key, tokens, routes)
         self._sample.add(text_index, np.asarray(sel))
         self._update_contexts(ids, p, text_index)
 
@@ -512,26 +588,13 @@ class SpecializationAccumulator:
         self.best_ctx = np.take_along_axis(all_ctx, order[..., None], axis=0)
 
     # ------------------------------------------------------------------ results
-    def vocabulary_counts(
-        self, key: str = "input"
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Sparse ``N_k(x, E)`` triples ``(token, layer, expert, count)`` and ``N_x`` per triple,
-        ``x`` the token of ``key`` (``TOKEN_KEYS``: the input, next or predicted token)."""
-        by_expert, by_token = self._token_counts[key]
-        by_expert.compact()
-        by_token.compact()
-        L, E = self.n_layers, self.n_experts
-        keys, counts = by_expert.keys, by_expert.counts
-        token, rest = np.divmod(keys, L * E)
-        layer, expert = np.divmod(rest, E)
-        n_x = by_token.counts[np.searchsorted(by_token.keys, token)]
-        return token, layer, expert, counts, n_x
-
-    def type_sizes(self, key: str = "input", min_token_count: int = 1) -> np.ndarray:
-        """Occurrences ``N_t`` of every token type of ``key`` seen at least ``min_token_count`` times."""
-        by_token = self._token_counts[key][1]
-        by_token.compact()
-        return by_token.counts[by_token.counts >= min_token_count]
+    def token_table(
+        self, key: str = "input", min_token_count: int = 1
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(token ids, N_x, N_k(x, layer, E) [G, L, E])`` for the token types x of ``key``
+        (``TOKEN_KEYS``: the input, next or predicted token) seen at least ``min_token_count``
+        times, in ascending token id."""
+        return self._types.view(key, min_token_count)
 
     def first_choices(self, probs: np.ndarray, sel: np.ndarray) -> np.ndarray:
         """The first choice ``[T, L]``: the selected expert with the highest router probability."""
@@ -573,9 +636,8 @@ class SpecializationAccumulator:
                     "importance_fraction": (self.importance[layer] / N).round(6).tolist(),
                 }
             )
-        token, lay, exp_, cnt, n_x = self.vocabulary_counts()
-        experts = self._experts_section(decode, token, lay, exp_, cnt, n_x, n_top_tokens, min_token_count)
-        vocabulary = self._vocabulary_section(decode, token, lay, exp_, cnt, n_x, min_token_count)
+        experts = self._experts_section(decode, n_top_tokens, min_token_count)
+        vocabulary = self._vocabulary_section(decode, min_token_count)
         base = self.baselines(min_token_count, n_specialization_tokens, progress=progress)
         for entry, value in zip(vocabulary["by_layer"], base["vocabulary"]):
             entry["baseline"] = value
@@ -663,10 +725,11 @@ class SpecializationAccumulator:
         by_key = {}
         for key, description in TOKEN_KEYS.items():
             entry = {
-                "available": self._key_tokens[key] > 0,
+                "available": self._types.tokens[key] > 0,
                 "reason": None,
                 "description": description,
-                "n_tokens": int(self._key_tokens[key]),
+                "n_tokens": int(self._types.tokens[key]),
+                "untracked_tokens": int(self._types.untracked[key]),
             }
             if not entry["available"]:
                 entry["reason"] = (
@@ -674,26 +737,18 @@ class SpecializationAccumulator:
                     if key == "predicted"
                     else "no positions to count"
                 )
-            token, lay, exp_, cnt, n_x = self.vocabulary_counts(key)
-            ok = n_x >= min_count
-            token, lay, exp_, cnt, n_x = token[ok], lay[ok], exp_[ok], cnt[ok], n_x[ok]
-            frac = cnt / np.maximum(n_x, 1)
-            order = np.lexsort((-cnt, -frac, exp_, lay))  # per (layer, expert), most specialised first
-            token, lay, exp_, cnt, n_x, frac = (a[order] for a in (token, lay, exp_, cnt, n_x, frac))
-            starts = np.searchsorted(lay * E + exp_, np.arange(L * E + 1))
-            observed = None
-            if token.size:
-                sizes = self.type_sizes(key, min_count)
-                observed = _token_specialization_stats(iter([self._type_block(key, min_count)]), sizes, n_top)
+            ids, n_t, counts = self.token_table(key, min_count)
+            blocks = ((g, g + _ROW_BLOCK, counts[g : g + _ROW_BLOCK]) for g in range(0, ids.size, _ROW_BLOCK))
+            observed = _token_specialization_stats(blocks, n_t, n_top) if ids.size else None
             null = base.get(key)
             experts, layers = [], []
             for layer in range(L):
                 row = []
                 for e in range(E):
-                    s0, s1 = (
-                        starts[layer * E + e],
-                        min(starts[layer * E + e + 1], starts[layer * E + e] + n_top),
-                    )
+                    c = counts[:, layer, e]
+                    hit = np.flatnonzero(c)
+                    frac = c[hit] / np.maximum(n_t[hit], 1)
+                    best = np.lexsort((-c[hit], -frac))[:n_top]  # most specialised, then most frequent
                     row.append(
                         {
                             "expert": e,
@@ -701,13 +756,13 @@ class SpecializationAccumulator:
                             "specialization_baseline": float(null[1][layer, e]) if null else None,
                             "top": [
                                 {
-                                    "token": decode([int(t)]),
-                                    "token_id": int(t),
-                                    "fraction": round(float(f), 6),
-                                    "count": int(c),
-                                    "n_t": int(n),
+                                    "token": decode([int(ids[hit[i]])]),
+                                    "token_id": int(ids[hit[i]]),
+                                    "fraction": round(float(frac[i]), 6),
+                                    "count": int(c[hit[i]]),
+                                    "n_t": int(n_t[hit[i]]),
                                 }
-                                for t, f, c, n in zip(token[s0:s1], frac[s0:s1], cnt[s0:s1], n_x[s0:s1])
+                                for i in best
                             ],
                         }
                     )
@@ -728,21 +783,10 @@ class SpecializationAccumulator:
             "min_token_count": int(min_count),
             "n_top": int(n_top),
             "random_baseline": random,
+            "n_token_types": int(self._types.n_types),
+            "max_token_types": int(self._types.max_types),
             "by_key": by_key,
         }
-
-    def _type_block(self, key: str, min_count: int) -> tuple[int, int, np.ndarray]:
-        """The observed expert counts ``[G, L, E]`` of the token types of ``key`` seen at least
-        ``min_count`` times, in ``type_sizes`` order (one block: memory is types x L x E)."""
-        L, E = self.n_layers, self.n_experts
-        by_token = self._token_counts[key][1]
-        token, lay, exp_, cnt, n_x = self.vocabulary_counts(key)
-        types = by_token.keys[by_token.counts >= min_count]
-        ok = n_x >= min_count
-        row = np.searchsorted(types, token[ok])
-        counts = np.zeros((types.size, L, E), dtype=np.int64)
-        np.add.at(counts, (row, lay[ok], exp_[ok]), cnt[ok])
-        return 0, types.size, counts
 
     def _router_entropy_section(self) -> dict:
         """Router entropy and KL to uniform, per layer: of the dense distribution (per token,
@@ -852,7 +896,7 @@ class SpecializationAccumulator:
         bar = tqdm(total=P * (len(TOKEN_KEYS) + 1) + 2 * (L - 1), desc="baselines", disable=not progress)
         token_spec = {}
         for key in TOKEN_KEYS:
-            sizes = self.type_sizes(key, min_token_count)
+            sizes = self._types.view(key, min_token_count)[1]
             if not sizes.size:
                 token_spec[key] = None
                 continue
@@ -945,39 +989,31 @@ class SpecializationAccumulator:
             _generalized_jsd(counts[:, layer] / sizes[:, layer, None], sizes[:, layer]) for layer in range(L)
         ]
 
-    def _experts_section(self, decode, token, lay, exp_, cnt, n_x, n_top, min_count) -> list[list[dict]]:
+    def _experts_section(self, decode, n_top: int, min_count: int) -> list[list[dict]]:
         L, E, W = self.n_layers, self.n_experts, self.context_window
-        order = np.lexsort((-cnt, exp_, lay))  # grouped by (layer, expert), most frequent token first
-        token, lay, exp_, cnt, n_x = token[order], lay[order], exp_[order], cnt[order], n_x[order]
-        starts = np.searchsorted(lay * E + exp_, np.arange(L * E))
-        ends = np.append(starts[1:], token.size)
+        ids, n_x, counts = self.token_table("input")
         out: list[list[dict]] = []
         for layer in range(L):
             row = []
             for e in range(E):
-                s, t = starts[layer * E + e], ends[layer * E + e]
+                c = counts[:, layer, e]
+                hit = np.flatnonzero(c)
+                frequent = hit[np.argsort(-c[hit], kind="stable")[:n_top]]  # ties: lower token id
                 top = [
                     {
-                        "token": decode([int(x)]),
-                        "token_id": int(x),
-                        "count": int(c),
-                        "share_of_token": float(c / nx),
+                        "token": decode([int(ids[i])]),
+                        "token_id": int(ids[i]),
+                        "count": int(c[i]),
+                        "share_of_token": float(c[i] / n_x[i]),
                     }
-                    for x, c, nx in zip(token[s : s + n_top], cnt[s : s + n_top], n_x[s : s + n_top])
+                    for i in frequent
                 ]
-                ok = n_x[s:t] >= min_count
-                spec = []
-                if ok.any():
-                    ratio = cnt[s:t][ok] / n_x[s:t][ok]
-                    best = np.argsort(-ratio, kind="stable")[:n_top]
-                    spec = [
-                        {
-                            "token": decode([int(token[s:t][ok][i])]),
-                            "ratio": float(ratio[i]),
-                            "n_x": int(n_x[s:t][ok][i]),
-                        }
-                        for i in best
-                    ]
+                ok = hit[n_x[hit] >= min_count]
+                ratio = c[ok] / n_x[ok]
+                spec = [
+                    {"token": decode([int(ids[ok[i]])]), "ratio": float(ratio[i]), "n_x": int(n_x[ok[i]])}
+                    for i in np.lexsort((-c[ok], -ratio))[:n_top]  # highest ratio, then most frequent
+                ]
                 contexts = []
                 for m in range(self.n_contexts):
                     if not np.isfinite(self.best_prob[m, layer, e]):
@@ -1006,37 +1042,29 @@ class SpecializationAccumulator:
             out.append(row)
         return out
 
-    def _vocabulary_section(self, decode, token, lay, exp_, cnt, n_x, min_count) -> dict:
-        L = self.n_layers
+    def _vocabulary_section(self, decode, min_count: int) -> dict:
+        E = self.n_experts
+        ids, n_x, counts = self.token_table("input", min_count)
         by_layer = []
-        for layer in range(L):
-            m = (lay == layer) & (n_x >= min_count)
-            if not m.any():
+        for layer in range(self.n_layers):
+            if not ids.size:
                 by_layer.append({"layer": layer, "n_token_types": 0, "weighted_max_ratio": None, "top": []})
                 continue
-            t, c, nx = token[m], cnt[m], n_x[m]
-            ratio = c / nx
-            # max over experts per token type
-            uniq, inv = np.unique(t, return_inverse=True)
-            best = np.zeros(uniq.size)
-            np.maximum.at(best, inv, ratio)
-            weights = np.zeros(uniq.size)
-            weights[inv] = nx
-            order = np.lexsort((ratio, inv))  # grouped by token type, highest ratio last
-            last = np.append(np.flatnonzero(np.diff(inv[order])), order.size - 1)
-            best_e = exp_[m][order[last]]
-            top_types = np.argsort(-(best * np.log1p(weights)), kind="stable")[:15]
+            ratio = counts[:, layer] / n_x[:, None]  # [types, E]
+            best = ratio.max(axis=1)  # max over experts per token type
+            best_e = E - 1 - ratio[:, ::-1].argmax(axis=1)  # ties: the highest expert index
+            top_types = np.argsort(-(best * np.log1p(n_x)), kind="stable")[:15]
             by_layer.append(
                 {
                     "layer": layer,
-                    "n_token_types": int(uniq.size),
-                    "weighted_max_ratio": float((best * weights).sum() / weights.sum()),
+                    "n_token_types": int(ids.size),
+                    "weighted_max_ratio": float((best * n_x).sum() / n_x.sum()),
                     "top": [
                         {
-                            "token": decode([int(uniq[i])]),
+                            "token": decode([int(ids[i])]),
                             "expert": int(best_e[i]),
                             "ratio": float(best[i]),
-                            "n_x": int(weights[i]),
+                            "n_x": int(n_x[i]),
                         }
                         for i in top_types
                     ],
