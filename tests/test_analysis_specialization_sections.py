@@ -348,8 +348,8 @@ def test_report_sizes_its_tables_by_the_vocabulary_and_shows_a_cap(tiny):
 
 
 def test_free_heap_is_released_after_every_chunk(tiny, monkeypatch):
-    """The report hands freed heap pages back once per chunk of texts (flat memory over a long
-    corpus); the release itself is safe to call anywhere."""
+    """The report hands freed heap pages back once per batch (flat memory over a long corpus),
+    the last batch of a chunk included; the release itself is safe to call anywhere."""
     import moee.analysis.specialization.report as report
     from moee.analysis.specialization import build_report
 
@@ -358,3 +358,6 @@ def test_free_heap_is_released_after_every_chunk(tiny, monkeypatch):
     monkeypatch.setattr(report, "release_free_heap", lambda: calls.append(1))
     build_report(tiny, TEXTS, progress=False, min_token_count=1, chunk_size=1)
     assert len(calls) == len(TEXTS)
+    calls.clear()
+    build_report(tiny, TEXTS * 3, progress=False, min_token_count=1, batch_size=4, chunk_size=5)
+    assert len(calls) == 2 + 1  # chunks of 5 and 4 texts: batches 4 + 1, then 4
