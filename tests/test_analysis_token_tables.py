@@ -46,6 +46,7 @@ def test_token_tables_equal_a_plain_count_with_and_without_the_vocabulary(vocab_
     for key in ("input", "next"):
         want = _brute_counts(texts, L, E, key)
         ids, n_t, counts = acc.token_table(key)
+        assert (ids.dtype, n_t.dtype, counts.dtype) == (np.int64, np.int64, np.int32)
         assert ids.tolist() == sorted(want)
         assert n_t.tolist() == [want[t][0] for t in sorted(want)]
         assert all(np.array_equal(c, want[t][1]) for t, c in zip(ids.tolist(), counts))
@@ -60,15 +61,15 @@ def test_token_tables_cap_counts_the_rest_as_untracked():
     ids_a, ids_b = np.array([5, 2, 5, 9, 2]), np.array([7, 2, 1, 1])
     sel_a, sel_b = np.array([[[0]], [[1]], [[0]], [[2]], [[1]]]), np.array([[[2]], [[1]], [[0]], [[0]]])
     acc = SpecializationAccumulator(L, E, k, max_token_types=3, permutations=1)
-    for i, (ids, sel) in enumerate([(ids_a, sel_a), (ids_b, sel_b)]):
+    for i, (ids, sel) in enumerate([(ids_a, sel_a), (ids_b, sel_b), (np.array([4]), np.array([[[0]]]))]):
         acc.update(ids, np.full((ids.size, L, E), 1 / E), text_index=i, selected=sel)
     ids, n_t, counts = acc.token_table("input")
     assert ids.tolist() == [2, 5, 9] and n_t.tolist() == [3, 2, 1]
     assert counts[:, 0].tolist() == [[0, 3, 0], [2, 0, 0], [0, 0, 1]]
     ts = acc.result(decode, min_token_count=1)["token_specialization"]
     assert ts["n_token_types"] == 3 and ts["max_token_types"] == 3
-    assert ts["by_key"]["input"]["untracked_tokens"] == 3  # 7, 1, 1
-    assert ts["by_key"]["input"]["n_tokens"] == 9
+    assert ts["by_key"]["input"]["untracked_tokens"] == 4  # 7, 1, 1, then 4 in a third text
+    assert ts["by_key"]["input"]["n_tokens"] == 10
     assert ts["by_key"]["next"]["untracked_tokens"] == 2  # the next tokens 1, 1 (7 ends no text)
     with pytest.raises(ValueError, match="max_token_types"):
         SpecializationAccumulator(L, E, k, max_token_types=0)
@@ -110,7 +111,9 @@ def test_token_table_sizes_and_growth():
         acc.update(ids, np.full((n_types, L, E), 1 / E), text_index=0)
         return acc._types
 
+    assert fed(1024).type_ids.size == 1024  # exactly full: no growth
     assert fed(1025).type_ids.size == 2048
+    assert SpecializationAccumulator(L, E, 1, max_token_types=1)._types.type_ids.size == 1
     assert fed(3000).type_ids.size == 3000  # more than twice the rows at once: exactly what is needed
     capped = fed(1200, max_token_types=1100)
     assert capped.type_ids.size == 1100 and capped.n_types == 1100

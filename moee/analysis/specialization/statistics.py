@@ -85,8 +85,6 @@ class _TokenTables:
             self._sorted_ids = np.insert(ids, where, new)
             self._sorted_rows = np.insert(self._sorted_rows, where, new_rows)
             ids = self._sorted_ids
-        if not ids.size:
-            return np.full(tokens.size, -1, dtype=np.int64)
         at = np.minimum(np.searchsorted(ids, tokens), ids.size - 1)
         return np.where(ids[at] == tokens, self._sorted_rows[at], -1)
 
