@@ -108,9 +108,10 @@ class _TokenTables:
         ``min_count`` times (at least once), in ascending token id."""
         n = self.n_types
         order = np.argsort(self.type_ids[:n], kind="stable")
-        occ = self.occurrences[key][:n][order]
-        order = order[occ >= max(1, int(min_count))]
-        return self.type_ids[order], self.occurrences[key][order], self.counts[key][order]
+        occ = self.occurrences[key][order]
+        keep = occ >= max(1, int(min_count))
+        order = order[keep]
+        return self.type_ids[order], occ[keep], self.counts[key][order]
 
 
 def _cv(v: np.ndarray) -> float:
