@@ -382,20 +382,6 @@ def test_baselines_are_seeded_and_the_sample_is_bounded():
         assert v["weighted_max_ratio"] == pytest.approx(v["baseline"], rel=0.15)
 
 
-def test_route_sample_does_not_depend_on_arrival_order():
-    rng = np.random.default_rng(3)
-    texts = [(i, rng.integers(0, 8, size=(int(rng.integers(3, 30)), 2, 2))) for i in range(60)]
-    first, second = (
-        SpecializationAccumulator(2, 8, 2, baseline_sample=50),
-        SpecializationAccumulator(2, 8, 2, baseline_sample=50),
-    )
-    for i, sel in texts:
-        first._sample.add(i, sel)
-    for i, sel in reversed(texts):
-        second._sample.add(i, sel)
-    np.testing.assert_array_equal(first._sample.routes(), second._sample.routes())
-
-
 def test_router_indices_decide_the_selection():
     """The router's own top-k (here a group limit that drops the best expert) is what gets counted."""
     acc = SpecializationAccumulator(1, 4, 2)

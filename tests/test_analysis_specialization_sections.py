@@ -320,13 +320,19 @@ def test_streaming_state_does_not_grow_with_the_corpus():
         sizes |= {f"{k}-counts": v.nbytes for k, v in tables.counts.items()}
         sizes |= {f"{k}-occurrences": v.nbytes for k, v in tables.occurrences.items()}
         sizes["sample"] = acc._sample.sel.nbytes
+        sizes["state_bytes"] = acc.state_bytes()
         return sizes
 
     small, large = state(40), state(80)
-    small.pop("last_selection"), large.pop("last_selection")
-    small.pop("last_first"), large.pop("last_first")
+    last = small.pop("last_selection") + small.pop("last_first")  # the last text's, for checks
+    large.pop("last_selection"), large.pop("last_first")
     assert small == large
     assert small["input-counts"] == 20 * 2 * 4 * 4  # the whole vocabulary, int32
+    # what it reports holding: every array counted once (tables, sample buffers, contexts, ...)
+    held = last + sum(v for k, v in small.items() if k not in ("state_bytes", "sample"))
+    sample = SpecializationAccumulator(2, 4, 2, baseline_sample=64)._sample
+    held += sum(getattr(sample, n).nbytes for n in ("priority", "text", "pos", "sel"))
+    assert small["state_bytes"] == held
 
 
 def test_report_sizes_its_tables_by_the_vocabulary_and_shows_a_cap(tiny):
@@ -340,6 +346,8 @@ def test_report_sizes_its_tables_by_the_vocabulary_and_shows_a_cap(tiny):
     whole = build_report(tiny, TEXTS, progress=False, min_token_count=1)
     ts = whole["token_specialization"]
     assert ts["max_token_types"] == V and all(v["untracked_tokens"] == 0 for v in ts["by_key"].values())
+    L, E = whole["summary"]["n_layers"], whole["summary"]["n_experts"]
+    assert whole["summary"]["state_bytes"] > 3 * V * L * E * 4  # the three tables and the rest
     assert "not counted here" not in render_html(whole)
     capped = build_report(tiny, TEXTS, progress=False, min_token_count=1, max_token_types=2)
     untracked = capped["token_specialization"]["by_key"]["input"]["untracked_tokens"]

@@ -525,6 +525,7 @@ def build_report(
     report["saturation"] = {"available": False, "reason": "no checkpoints given (--checkpoints)"}
     report["token_view"] = view.result(decode)
     report["summary"]["top_k_source"] = source
+    report["summary"]["state_bytes"] = acc.state_bytes()
     by_layer = [" / ".join(sorted(s)) for s in layer_sources]
     report["summary"]["selection_by_layer"] = by_layer
     report["summary"]["selection"] = (

@@ -144,18 +144,24 @@ class _RouteSample:
     sample keeps the ``capacity`` smallest (bottom-k sampling), so memory is bounded and the same
     corpus gives the same sample in any chunking. A corpus with at most ``capacity`` tokens is
     held whole, which makes the baselines exact permutation tests.
+
+    Tokens are written in place into buffers of ``capacity`` + a quarter rows, allocated once
+    (zeroed lazily by the OS: a small corpus touches only the rows it fills), and compacting
+    keeps the best ``capacity`` of them in the same buffers. They are never reallocated: a
+    sample reallocated every few hundred texts lands each time at a new place of the C heap,
+    between the forward's activations, and keeps pages of it from being handed back.
     """
 
     def __init__(self, capacity: int, n_layers: int, top_k: int, n_experts: int, seed: int):
         self.capacity = int(capacity)
         self.seed = int(seed)
-        self._dtype = np.int16 if n_experts <= np.iinfo(np.int16).max else np.int32
-        self.priority = np.zeros(0, dtype=np.uint64)
-        self.text = np.zeros(0, dtype=np.int64)
-        self.pos = np.zeros(0, dtype=np.int64)
-        self.sel = np.zeros((0, n_layers, top_k), dtype=self._dtype)
-        self._pending: list[tuple[np.ndarray, ...]] = []
-        self._n_pending = 0
+        self.size = self.capacity + max(1, self.capacity // 4)  # the kept rows + room for new ones
+        dtype = np.int16 if n_experts <= np.iinfo(np.int16).max else np.int32
+        self.priority = np.zeros(self.size, dtype=np.uint64)
+        self.text = np.zeros(self.size, dtype=np.int64)
+        self.pos = np.zeros(self.size, dtype=np.int64)
+        self.sel = np.zeros((self.size, n_layers, top_k), dtype=dtype)
+        self.n = 0  # rows filled
         self._threshold: np.uint64 | None = None  # largest priority kept once the sample is full
 
     def add(self, text_index: int, sel: np.ndarray) -> None:
@@ -171,33 +177,34 @@ class _RouteSample:
             if not keep.any():
                 return
             priority, pos, sel = priority[keep], pos[keep], sel[keep]
-        self._pending.append(
-            (priority, np.full(pos.size, text_index, dtype=np.int64), pos, sel.astype(self._dtype))
-        )
-        self._n_pending += pos.size
-        if self._n_pending >= max(1, self.capacity // 4):  # pending + kept: at most 1.25 x capacity
-            self.compact()
+        done = 0
+        while done < pos.size:
+            if self.n == self.size:
+                self.compact()
+            take = min(pos.size - done, self.size - self.n)
+            a, b = self.n, self.n + take
+            self.priority[a:b] = priority[done : done + take]
+            self.text[a:b] = text_index
+            self.pos[a:b] = pos[done : done + take]
+            self.sel[a:b] = sel[done : done + take]
+            self.n, done = b, done + take
 
     def compact(self) -> None:
-        if not self._pending:
-            return
-        parts = list(zip(*self._pending))
-        self.priority = np.concatenate([self.priority, *parts[0]])
-        self.text = np.concatenate([self.text, *parts[1]])
-        self.pos = np.concatenate([self.pos, *parts[2]])
-        self.sel = np.concatenate([self.sel, *parts[3]])
-        self._pending, self._n_pending = [], 0
-        if self.priority.size > self.capacity:
-            keep = np.argpartition(self.priority, self.capacity - 1)[: self.capacity]
-            self.priority, self.text, self.pos = self.priority[keep], self.text[keep], self.pos[keep]
-            self.sel = self.sel[keep]
-        if self.priority.size >= self.capacity:
-            self._threshold = self.priority.max()
+        """Keep the ``capacity`` smallest priorities (in the buffers' front rows)."""
+        if self.n > self.capacity:
+            keep = np.argpartition(self.priority[: self.n], self.capacity - 1)[: self.capacity]
+            for name in ("priority", "text", "pos", "sel"):
+                buf = getattr(self, name)
+                buf[: self.capacity] = buf[keep]
+            self.n = self.capacity
+        if self.n >= self.capacity:
+            self._threshold = self.priority[: self.n].max()
 
     def routes(self) -> np.ndarray:
         """The sampled top-k sets ``[R, L, k]`` in corpus order (text, position)."""
         self.compact()
-        return self.sel[np.lexsort((self.pos, self.text))]
+        n = self.n
+        return self.sel[:n][np.lexsort((self.pos[:n], self.text[:n]))]
 
 
 def _group_blocks(ends: np.ndarray, max_groups: int, max_tokens: int) -> Iterator[tuple[int, int, int, int]]:
@@ -585,6 +592,17 @@ class SpecializationAccumulator:
         self.best_text = np.take_along_axis(all_text, order, axis=0)
         self.best_pos = np.take_along_axis(all_pos, order, axis=0)
         self.best_ctx = np.take_along_axis(all_ctx, order[..., None], axis=0)
+
+    def state_bytes(self) -> int:
+        """Bytes of every array the accumulator holds: what streaming keeps in memory, set by the
+        model (token tables, co-activation, contexts) and the baseline sample's capacity, so the
+        same at any corpus length once the sample's buffers have reached their size."""
+        tables, sample = self._types, self._sample
+        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
+        arrays += [*self.domain_load.values(), *tables.counts.values(), *tables.occurrences.values()]
+        arrays += [tables.type_ids, tables._sorted_ids, tables._sorted_rows]
+        arrays += [sample.priority, sample.text, sample.pos, sample.sel]
+        return int(sum(a.nbytes for a in arrays))
 
     # ------------------------------------------------------------------ results
     def token_table(

@@ -1,0 +1,68 @@
+"""The bounded route sample behind the permutation baselines (numpy only, fast)."""
+
+import numpy as np
+
+from moee.analysis.specialization.statistics import _RouteSample
+
+BUFFERS = ("priority", "text", "pos", "sel")
+
+
+def _texts(n, seed=3, max_len=30, n_experts=8):
+    rng = np.random.default_rng(seed)
+    return [(i, rng.integers(0, n_experts, size=(int(rng.integers(1, max_len)), 2, 2))) for i in range(n)]
+
+
+def test_a_corpus_below_the_capacity_is_kept_whole_in_corpus_order():
+    sample = _RouteSample(1000, 2, 2, 8, seed=0)
+    texts = _texts(20)
+    for i, sel in reversed(texts):
+        sample.add(i, sel)
+    np.testing.assert_array_equal(sample.routes(), np.concatenate([sel for _, sel in texts]))
+    assert sample._threshold is None  # never full: nothing was ever dropped
+
+
+def test_the_sample_does_not_depend_on_arrival_order():
+    first, second = _RouteSample(50, 2, 2, 8, seed=0), _RouteSample(50, 2, 2, 8, seed=0)
+    texts = _texts(60)
+    for i, sel in texts:
+        first.add(i, sel)
+    for i, sel in reversed(texts):
+        second.add(i, sel)
+    np.testing.assert_array_equal(first.routes(), second.routes())
+    assert first.routes().shape == (50, 2, 2)
+
+
+def test_the_sample_keeps_the_smallest_priorities_in_fixed_buffers():
+    """Texts longer than the free room, many compactions: the sample is exactly the ``capacity``
+    tokens of smallest priority (from a sample holding everything), and once its buffers reach
+    their size they are filled in place, never reallocated."""
+    small, whole = _RouteSample(10, 2, 2, 8, seed=1), _RouteSample(10_000, 2, 2, 8, seed=1)
+    assert small.size == 12 and small.priority.size == 12
+    buffers, total = None, 0
+    for i, sel in _texts(300, seed=4):
+        small.add(i, sel)
+        whole.add(i, sel)
+        total += sel.shape[0]
+        assert small.n <= small.size
+        if i == 5:
+            buffers = [getattr(small, name) for name in BUFFERS]
+    assert all(a is getattr(small, n) for a, n in zip(buffers, BUFFERS))
+    assert whole.n == total and whole._threshold is None  # everything kept, nothing dropped
+    assert whole.priority.size == whole.sel.shape[0] == whole.size == 12_500
+    best = np.argsort(whole.priority[: whole.n])[:10]
+    order = np.lexsort((whole.pos[best], whole.text[best]))
+    np.testing.assert_array_equal(small.routes(), whole.sel[best][order])
+    assert small.n == 10 and small.routes().dtype == np.int16
+    assert small._threshold == np.sort(whole.priority[: whole.n])[9]
+
+
+def test_the_seed_changes_the_sample_and_wide_expert_ids_keep_their_width():
+    a, b = _RouteSample(20, 2, 2, 8, seed=0), _RouteSample(20, 2, 2, 8, seed=1)
+    wide = _RouteSample(20, 2, 2, 40_000, seed=0)
+    for i, sel in _texts(30):
+        a.add(i, sel)
+        b.add(i, sel)
+        wide.add(i, sel * 5000)
+    assert not np.array_equal(a.routes(), b.routes())
+    assert wide.routes().dtype == np.int32
+    np.testing.assert_array_equal(wide.routes(), a.routes().astype(np.int32) * 5000)
