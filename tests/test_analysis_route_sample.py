@@ -66,3 +66,19 @@ def test_the_seed_changes_the_sample_and_wide_expert_ids_keep_their_width():
     assert not np.array_equal(a.routes(), b.routes())
     assert wide.routes().dtype == np.int32
     np.testing.assert_array_equal(wide.routes(), a.routes().astype(np.int32) * 5000)
+
+
+def test_priorities_are_pinned_so_seeded_baselines_reproduce_across_versions():
+    """The priority of (seed, text, position) is part of every committed baseline: changing the
+    hash changes which tokens are sampled, so it is pinned here (and its dtypes with it)."""
+    sample = _RouteSample(100, 1, 1, 4, seed=7)
+    sample.add(0, np.zeros((2, 1, 1), dtype=np.int64))
+    sample.add(5, np.ones((1, 1, 1), dtype=np.int64))
+    assert [int(x) for x in sample.priority[:3]] == [
+        1213277729458912176,
+        18443397433031482491,
+        11523064675348725543,
+    ]
+    assert sample.text[:3].tolist() == [0, 0, 5] and sample.pos[:3].tolist() == [0, 1, 0]
+    assert sample.priority.dtype == np.uint64 and sample.text.dtype == sample.pos.dtype == np.int64
+    assert sample.n == 3 and sample.capacity == 100 and sample.size == 125
