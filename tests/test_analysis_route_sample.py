@@ -82,3 +82,33 @@ def test_priorities_are_pinned_so_seeded_baselines_reproduce_across_versions():
     assert sample.text[:3].tolist() == [0, 0, 5] and sample.pos[:3].tolist() == [0, 1, 0]
     assert sample.priority.dtype == np.uint64 and sample.text.dtype == sample.pos.dtype == np.int64
     assert sample.n == 3 and sample.capacity == 100 and sample.size == 125
+
+
+def test_compacting_keeps_exactly_the_smallest_and_sets_the_threshold():
+    sample = _RouteSample(100, 1, 1, 4, seed=2)
+    sample.add(0, np.zeros((sample.size, 1, 1), dtype=np.int64))  # fills the buffers exactly
+    every = np.sort(sample.priority[: sample.n])
+    assert sample.n == 125 and sample._threshold is None
+    sample.compact()
+    assert sample.n == 100 and set(sample.priority[:100].tolist()) == set(every[:100].tolist())
+    assert sample._threshold == every[99]
+    sample.add(1, np.zeros((400, 1, 1), dtype=np.int64))  # only tokens below the threshold enter
+    assert 100 <= sample.n <= 125
+    assert (sample.priority[100 : sample.n] < every[99]).all()
+
+
+def test_buffer_room_and_expert_width_at_their_edges():
+    assert [_RouteSample(c, 1, 1, 4, 0).size for c in (1, 4, 7, 8, 100)] == [2, 5, 8, 10, 125]
+    assert _RouteSample(4, 1, 1, np.iinfo(np.int16).max, 0).sel.dtype == np.int16
+    assert _RouteSample(4, 1, 1, np.iinfo(np.int16).max + 1, 0).sel.dtype == np.int32
+
+
+def test_priorities_of_a_large_seed_wrap_silently():
+    """The hash is arithmetic modulo 2^64; seeds near the top must not warn or fail."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sample = _RouteSample(10, 1, 1, 4, seed=2**64 - 1)
+        sample.add(2**40, np.zeros((5, 1, 1), dtype=np.int64))
+    assert sample.n == 5
