@@ -596,7 +596,8 @@ class SpecializationAccumulator:
     def state_bytes(self) -> int:
         """Bytes of every array the accumulator holds: what streaming keeps in memory, set by the
         model (token tables, co-activation, contexts) and the baseline sample's capacity, so the
-        same at any corpus length (but for the index of the token types seen, 16 bytes a type)."""
+        same at any corpus length when the vocabulary size is known (but for the index of the token
+        types seen, 16 bytes a type; without it the tables double as types arrive, up to their cap)."""
         tables, sample = self._types, self._sample
         arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
         arrays += [*self.domain_load.values(), *tables.counts.values(), *tables.occurrences.values()]
