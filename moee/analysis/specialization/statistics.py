@@ -599,7 +599,9 @@ class SpecializationAccumulator:
         same at any corpus length when the vocabulary size is known (but for the index of the token
         types seen, 16 bytes a type; without it the tables double as types arrive, up to their cap)."""
         tables, sample = self._types, self._sample
-        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
+        arrays = [  # the last text's selections (kept for checks) depend on the arrival order
+            v for k, v in vars(self).items() if isinstance(v, np.ndarray) and not k.startswith("last_")
+        ]
         arrays += [*self.domain_load.values(), *tables.counts.values(), *tables.occurrences.values()]
         arrays += [tables.type_ids, tables._sorted_ids, tables._sorted_rows]
         arrays += [sample.priority, sample.text, sample.pos, sample.sel]
