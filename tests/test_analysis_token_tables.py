@@ -52,6 +52,9 @@ def test_token_tables_equal_a_plain_count_with_and_without_the_vocabulary(vocab_
         assert all(np.array_equal(c, want[t][1]) for t, c in zip(ids.tolist(), counts))
         ids3, n3, _ = acc.token_table(key, 3)
         assert ids3.tolist() == [t for t in sorted(want) if want[t][0] >= 3] and (n3 >= 3).all()
+        assert acc._types.sizes(key, 3).tolist() == n3.tolist()  # the baselines' sizes
+        assert acc._types.sizes(key).tolist() == n_t.tolist()
+        assert acc._types.view(key)[0].tolist() == ids.tolist()  # default: every type seen
 
 
 def test_token_tables_cap_counts_the_rest_as_untracked():

@@ -103,15 +103,24 @@ class _TokenTables:
         flat = (rows[:, None, None] * L + np.arange(L)[None, :, None]) * E + routes
         np.add.at(table.reshape(-1), flat.ravel(), 1)
 
-    def view(self, key: str, min_count: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(token ids, N_t, counts [G, L, E])`` of the types of ``key`` seen at least
-        ``min_count`` times (at least once), in ascending token id."""
+    def _rows_by_id(self, key: str, min_count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of the types of ``key`` seen at least ``min_count`` times (at least once), in
+        ascending token id, and their occurrences."""
         n = self.n_types
         order = np.argsort(self.type_ids[:n], kind="stable")
         occ = self.occurrences[key][order]
         keep = occ >= max(1, int(min_count))
-        order = order[keep]
-        return self.type_ids[order], occ[keep], self.counts[key][order]
+        return order[keep], occ[keep]
+
+    def sizes(self, key: str, min_count: int = 1) -> np.ndarray:
+        """``N_t`` of ``view`` alone, without copying the counts."""
+        return self._rows_by_id(key, min_count)[1]
+
+    def view(self, key: str, min_count: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(token ids, N_t, counts [G, L, E])`` of the types of ``key`` seen at least
+        ``min_count`` times (at least once), in ascending token id."""
+        order, occ = self._rows_by_id(key, min_count)
+        return self.type_ids[order], occ, self.counts[key][order]
 
 
 def _cv(v: np.ndarray) -> float:
@@ -916,7 +925,7 @@ class SpecializationAccumulator:
         bar = tqdm(total=P * (len(TOKEN_KEYS) + 1) + 2 * (L - 1), desc="baselines", disable=not progress)
         token_spec = {}
         for key in TOKEN_KEYS:
-            sizes = self._types.view(key, min_token_count)[1]
+            sizes = self._types.sizes(key, min_token_count)
             if not sizes.size:
                 token_spec[key] = None
                 continue
