@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 
 from moee.analysis.specialization import SpecializationAccumulator
-from moee.analysis.specialization.statistics import (
-    _generalized_jsd,
-    _overlap,
-    _token_specialization_stats,
-    _transition_stats,
-)
+from moee.analysis.specialization.sections.cross_layer import _transition_stats
+from moee.analysis.specialization.sections.domains import _generalized_jsd
+from moee.analysis.specialization.sections.token_specialization import _token_specialization_stats
+from moee.analysis.specialization.statistics import _overlap
 
 
 def one_hot(experts, E):
