@@ -105,7 +105,7 @@ def test_coactivation_with_top2():
     acc = SpecializationAccumulator(1, 3, 2)
     probs = np.array([[[0.5, 0.4, 0.1]], [[0.45, 0.45, 0.1]], [[0.5, 0.1, 0.4]]])
     acc.update(np.array([1, 2, 3]), probs, text_index=0)
-    np.testing.assert_array_equal(acc.coactivation[0], [[3, 2, 1], [2, 2, 0], [1, 0, 1]])
+    np.testing.assert_array_equal(acc.tallies["coactivation"].counts[0], [[3, 2, 1], [2, 2, 0], [1, 0, 1]])
     rep = acc.result(decode, min_token_count=1)
     mat = np.asarray(rep["coactivation"]["matrices"]["0"])
     assert mat[0, 1] == pytest.approx(2 / 3, abs=1e-4) and mat[1, 0] == pytest.approx(1.0)

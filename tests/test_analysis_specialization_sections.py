@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 
 from moee.analysis.specialization import SpecializationAccumulator
-from moee.analysis.specialization.statistics import (
-    _generalized_jsd,
-    _overlap,
-    _token_specialization_stats,
-    _transition_stats,
-)
+from moee.analysis.specialization.sections.cross_layer import _transition_stats
+from moee.analysis.specialization.sections.domains import _generalized_jsd
+from moee.analysis.specialization.sections.token_specialization import _token_specialization_stats
+from moee.analysis.specialization.statistics import _overlap
 
 
 def one_hot(experts, E):
@@ -315,6 +313,10 @@ def test_streaming_state_does_not_grow_with_the_corpus():
             acc.update(ids, rng.dirichlet(np.ones(4), size=(30, 2)), text_index=i, predicted=ids)
         acc._sample.compact()
         sizes = {k: v.nbytes for k, v in vars(acc).items() if isinstance(v, np.ndarray)}
+        for section, tally in acc.tallies.items():  # what each section keeps (a dict: its arrays)
+            for k, v in vars(tally).items():
+                items = v.items() if isinstance(v, dict) else [("", v)]
+                sizes |= {f"{section}.{k}{n}": a.nbytes for n, a in items if isinstance(a, np.ndarray)}
         tables = acc._types
         sizes |= {k: v.nbytes for k, v in vars(tables).items() if isinstance(v, np.ndarray)}
         sizes |= {f"{k}-counts": v.nbytes for k, v in tables.counts.items()}

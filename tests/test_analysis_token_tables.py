@@ -129,7 +129,7 @@ def test_token_table_sizes_and_growth():
 def test_observed_token_statistics_do_not_depend_on_the_row_block(monkeypatch):
     """The observed token specialization is reduced in blocks of token types: any block size gives
     the same numbers."""
-    import moee.analysis.specialization.statistics as statistics
+    from moee.analysis.specialization.sections import token_specialization
 
     L, E, k = 2, 4, 1
     texts = _random_texts(np.random.default_rng(2), 60, 40, L, E, k)
@@ -141,5 +141,5 @@ def test_observed_token_statistics_do_not_depend_on_the_row_block(monkeypatch):
         return acc.result(decode, min_token_count=2)["token_specialization"]
 
     whole = run()
-    monkeypatch.setattr(statistics, "_ROW_BLOCK", 3)
+    monkeypatch.setattr(token_specialization, "_ROW_BLOCK", 3)
     assert run() == whole

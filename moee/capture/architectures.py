@@ -43,16 +43,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from moee.embed.methods import DEFAULT_SCORE, SCORES
-
-if TYPE_CHECKING:
-    from moee.capture.registry import RouterSpec
+from moee.capture.vocabulary import DEFAULT_SCORE, SCORES
 
 __all__ = [
     "ARCHITECTURES",
@@ -72,6 +69,7 @@ __all__ = [
     "Architecture",
     "RouterClass",
     "ScoringRule",
+    "SelectionSource",
     "apply_score",
     "read_selection",
     "rule_for_model_type",
@@ -519,7 +517,16 @@ def _is_index(x: object) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool
 
 
-def read_selection(spec: RouterSpec, output: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+class SelectionSource(Protocol):
+    """What :func:`read_selection` reads of a router (a :class:`moee.capture.registry.RouterSpec`):
+    declared here so that this module does not import the discovery module that imports it."""
+
+    selection_format: str | None
+    n_experts: int
+    top_k: int | None
+
+
+def read_selection(spec: SelectionSource, output: object) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The router's own choice from its forward ``output``: ``(indices [N, k] long, weights [N, k])``
     with ``N`` the flattened tokens, or ``None`` when the output does not hold it (format ``None``
     or an output without the expected structure)."""

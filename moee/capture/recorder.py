@@ -47,7 +47,7 @@ from moee.capture.registry import (
     selection_bias,
     selection_scores,
 )
-from moee.embed.methods import POOLINGS as EMBEDDING_POOLINGS
+from moee.capture.vocabulary import POOLINGS as EMBEDDING_POOLINGS
 
 __all__ = ["RoutingRecorder", "POOLINGS", "SCORES", "DEFAULT_SCORE"]
 

@@ -28,20 +28,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moee.capture.vocabulary import DEFAULT_SCORE, POOLINGS, SCORES
 from moee.embed.validation import check_alpha, check_choice
 
-#: Poolings of a text's tokens into one HS / RW row (``moee.capture.recorder`` adds ``"tokens"``,
-#: which keeps every token and is not an embedding).
-POOLINGS = ("last", "mean")
-#: How router logits become RW (see ``moee.capture.registry``): ``native`` is the architecture's own
-#: scoring rule over all experts (softmax for softmax routers such as OLMoE, Qwen-MoE and Mixtral;
-#: sigmoid for DeepSeek-V3-style and Llama-4 routers), ``softmax`` the dense softmax of the logits
-#: for every architecture (the paper's formula for g^(l)), ``selection`` what the router ranks to
-#: pick its top-k (selection-only biases and group limits included), ``logits`` the raw logits.
-SCORES = ("native", "softmax", "selection", "logits")
-#: The score every API, CLI command and evaluation uses unless told otherwise: the scores the model
-#: itself computes (equal to ``softmax`` for softmax routers, so the paper's models are unchanged).
-DEFAULT_SCORE = "native"
+#: The pooling and score vocabulary is capture's (``moee.capture.vocabulary``); re-exported here for
+#: the embedding API and its callers.
+__all__ = [
+    "DEFAULT_SCORE",
+    "METHOD_REGISTRY",
+    "METHODS",
+    "POOLINGS",
+    "SCORES",
+    "Method",
+    "combine",
+    "method_spec",
+    "output_dim",
+]
 
 
 def _unit_rows(x: np.ndarray) -> np.ndarray:

@@ -40,13 +40,19 @@ best matching is above ``1 / E``.
 ``build_report`` runs a model over a corpus and returns the JSON-ready dict; ``write_report``
 writes ``report.json`` plus a self-contained ``report.html`` (plots as base64 PNG).
 
-One module per stage: ``statistics`` (the streaming accumulator, the statistics and their
-permutation baselines), ``report`` (driving the model, assembling ``report.json``) and ``html``
-(rendering). The public names are re-exported here.
+The report is a registry of sections (``sections``: one module per section, holding what it
+tallies per text, its baseline, its JSON part and its page part); ``statistics`` holds the shared
+heavy state (token tables, route sample) and math, ``accumulator`` streams the texts into the
+shared state and every section's tally, ``report`` drives the model and assembles ``report.json``,
+``html`` assembles the page. The public names are re-exported here.
 """
 
 from __future__ import annotations
 
+# the helpers the tests check directly, importable from here as before the split
+from moee.analysis.overlap import matched_from_table as _matched_from_table  # noqa: F401
+from moee.analysis.overlap import nmi_from_table as _nmi_from_table  # noqa: F401
+from moee.analysis.specialization.accumulator import SpecializationAccumulator
 from moee.analysis.specialization.html import render_html
 from moee.analysis.specialization.report import (
     REPORT_SECTIONS,
@@ -65,18 +71,14 @@ from moee.analysis.specialization.report import (
     selection_scorers,
     write_report,
 )
-
-# the accumulator, and the helpers the tests check directly, importable from here as before the split
+from moee.analysis.specialization.sections import SECTIONS
 from moee.analysis.specialization.statistics import (  # noqa: F401
     BASELINE_SAMPLE_BYTES,
     TOKEN_KEYS,
     TOKEN_TABLE_BYTES,
-    SpecializationAccumulator,
     _cv,
     _entropy,
     _group_blocks,
-    _matched_from_table,
-    _nmi_from_table,
     _permuted_group_max,
     _random_table,
 )
@@ -94,6 +96,7 @@ __all__ = [
     "render_html",
     "write_report",
     "REPORT_SECTIONS",
+    "SECTIONS",
     "TOKEN_KEYS",
     "TOKEN_TABLE_BYTES",
     "lm_head",

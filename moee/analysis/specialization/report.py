@@ -2,8 +2,9 @@
 
 ``build_report`` streams a corpus through ``MoEEmbedder.iter_token_routes`` in chunks, decides
 which experts count as selected (the router's own choice where the capture returns it) and the
-top-k, and feeds ``statistics.SpecializationAccumulator``; ``write_report`` writes the JSON and
-the HTML page of ``html.render_html``.
+top-k, and feeds ``accumulator.SpecializationAccumulator``; it fills the sections that need the
+texts or other models (the token view, the saturation, the comparison); ``write_report`` writes
+the JSON (its sections in registry order) and the HTML page of ``html.render_html``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moee.analysis.specialization import sections as registry
+from moee.analysis.specialization.accumulator import SpecializationAccumulator
 from moee.analysis.specialization.html import render_html
-from moee.analysis.specialization.statistics import SpecializationAccumulator
+from moee.analysis.specialization.sections.token_view import TokenView
+from moee.analysis.specialization.statistics import _overlap
 from moee.capture.architectures import TOP_K_KEYS
 from moee.io import batched
 
@@ -51,24 +55,8 @@ logger = logging.getLogger("moee.analysis.specialization")
 #: The config keys that name top-k: the capture's one list.
 TOP_K_ATTRIBUTES = TOP_K_KEYS
 
-#: Every top-level section of the report JSON (and of the HTML page).
-REPORT_SECTIONS = (
-    "meta",
-    "summary",
-    "baselines",
-    "layers",
-    "experts",
-    "domains",
-    "vocabulary",
-    "coactivation",
-    "repetition",
-    "layer_agreement",
-    "token_specialization",
-    "router_entropy",
-    "cross_layer",
-    "saturation",
-    "token_view",
-)
+#: Every top-level section of the report JSON, in its order (the section registry's ids).
+REPORT_SECTIONS = tuple(s.id for s in registry.SECTIONS)
 
 _FALLBACK_TOP_K = 1
 
@@ -393,57 +381,6 @@ def _iter_routes(
         offset += len(chunk)
 
 
-class _TokenView:
-    """The first ``n_texts`` texts of the corpus (at most ``max_tokens`` tokens in all, each text
-    cut to what is left) with every token's routes, for the page's token view: a fixed-size
-    sample, whatever the corpus length."""
-
-    def __init__(self, n_texts: int, max_tokens: int, decimals: int = 3):
-        self.n_texts, self.max_tokens, self.decimals = int(n_texts), int(max_tokens), int(decimals)
-        self._rows: dict[int, dict] = {}
-
-    def add(self, item: dict) -> None:
-        if item["index"] < self.n_texts:
-            T = min(item["ids"].size, self.max_tokens)
-            order = np.argsort(-np.take_along_axis(item["probs"][:T], item["selected"][:T], axis=2), axis=2)
-            self._rows[item["index"]] = {
-                "domain": item["domain"],
-                "ids": item["ids"][:T],
-                "probs": item["probs"][:T].astype(np.float32),
-                "selected": np.take_along_axis(item["selected"][:T], order, axis=2),
-                "predicted": None if item["predicted"] is None else item["predicted"][:T],
-            }
-
-    def result(self, decode: Callable[[Sequence[int]], str]) -> dict:
-        texts, left = [], self.max_tokens
-        for index in sorted(self._rows):
-            if left <= 0:
-                break
-            r = self._rows[index]
-            T = min(left, r["ids"].size)
-            left -= T
-            texts.append(
-                {
-                    "text_index": index,
-                    "domain": r["domain"],
-                    "tokens": [decode([int(i)]) for i in r["ids"][:T]],
-                    "token_ids": [int(i) for i in r["ids"][:T]],
-                    "predicted": None
-                    if r["predicted"] is None
-                    else [decode([int(i)]) for i in r["predicted"][:T]],
-                    "selected": r["selected"][:T].tolist(),
-                    "probs": np.round(r["probs"][:T].astype(np.float64), self.decimals).tolist(),
-                }
-            )
-        return {
-            "n_texts": len(texts),
-            "n_tokens": self.max_tokens - left,
-            "max_tokens": self.max_tokens,
-            "decimals": self.decimals,
-            "texts": texts,
-        }
-
-
 def _progress(progress: bool, total: int | None, desc: str):
     from tqdm.auto import tqdm
 
@@ -492,7 +429,7 @@ def build_report(
         vocab_size=vocab_size(embedder),
         max_token_types=max_token_types,
     )
-    view = _TokenView(token_view_texts, token_view_tokens)
+    view = TokenView(token_view_texts, token_view_tokens)
     layer_sources: list[set[str]] = [set() for _ in range(n_layers)]
     expected = total if max_texts is None else min(total or max_texts, max_texts)
     with _Predictions(embedder) as predictions, _progress(progress, expected, "routing") as bar:
@@ -557,7 +494,6 @@ def routing_overlap(
     The tokens are those of the first texts of ``corpus``, up to ``max_tokens`` (texts are taken
     until they hold ``4 * max_tokens`` characters; the reference's selections are kept for them,
     so memory is bounded by ``max_tokens``, not by the corpus)."""
-    from moee.analysis.specialization.statistics import _overlap
 
     def load(m):
         return m if hasattr(m, "iter_token_routes") else m()
@@ -850,9 +786,12 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    missing = [s for s in REPORT_SECTIONS if s not in report]
+    ids = [s.id for s in registry.SECTIONS]
+    missing = [s for s in ids if s not in report]
     if missing:
         raise ValueError(f"report is missing sections: {missing}")
+    # the sections in registry order, then anything else the report carries (``compare``)
+    report = {**{s: report[s] for s in ids}, **report}
     json_path, html_path = out / "report.json", out / "report.html"
     # compact: the token view and the per-expert tables are long lists that indentation would
     # spread over one line per number (several times the size); written to a temporary file and

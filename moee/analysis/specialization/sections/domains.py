@@ -1,0 +1,192 @@
+"""Domain specialization (OLMoE paper, section 5): the fraction of domain D's tokens routed to
+each expert, ``N_k(E, D) / N_D``, its maximum over experts per layer, and the Jensen-Shannon
+divergence of the domains' load distributions, each beside the token routes shuffled against the
+domain labels (a domain takes ``N_D`` random routes of the route sample)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _grid, _nan, _plt, _table, esc
+from moee.analysis.specialization.sections.base import Draw, Results, Section, Shape, TextRoutes
+from moee.analysis.specialization.statistics import _entropy, _permuted_group_counts
+
+
+class _Domains:
+    """Per domain label, its token count and its expert counts ``[L, E]``."""
+
+    def __init__(self, shape: Shape):
+        self.n_layers, self.n_experts = shape.n_layers, shape.n_experts
+        self.tokens: dict[str, int] = {}
+        self.load: dict[str, np.ndarray] = {}
+
+    def update(self, text: TextRoutes) -> None:
+        domain = text.domain
+        if domain is not None:
+            self.tokens[domain] = self.tokens.get(domain, 0) + text.ids.size
+            if domain not in self.load:
+                self.load[domain] = np.zeros((self.n_layers, self.n_experts), dtype=np.int64)
+            self.load[domain] += text.counts
+
+
+def _generalized_jsd(dists: np.ndarray, weights: np.ndarray) -> float:
+    """Jensen-Shannon divergence of distributions ``dists [D, E]`` (rows sum to 1) with mixture
+    weights ``weights [D]``: ``H(sum_d w_d p_d) - sum_d w_d H(p_d)`` (nats; 0 iff all equal)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    mix = (w[:, None] * dists).sum(axis=0)
+    return float(max(0.0, _entropy(mix) - sum(wd * _entropy(p) for wd, p in zip(w, dists))))
+
+
+def _domain_jsd(counts: np.ndarray) -> list[float | None]:
+    """Per layer, the JSD of the domains' load distributions ``counts [D, L, E]`` weighted by
+    the domains' token shares (``None`` with fewer than two domains)."""
+    D, L, _ = counts.shape
+    if D < 2:
+        return [None] * L
+    sizes = counts.sum(axis=2)  # [D, L] = N_D * k
+    return [_generalized_jsd(counts[:, layer] / sizes[:, layer, None], sizes[:, layer]) for layer in range(L)]
+
+
+def _baseline(draw: Draw) -> dict:
+    """``max_fraction [D, L]`` (domains by name) and ``jsd [L]``, each the mean over the draws."""
+    acc, rng = draw.acc, draw.rng
+    tally = acc.tallies["domains"]
+    L, E, P = acc.n_layers, acc.n_experts, acc.permutations
+    names = sorted(tally.tokens)
+    dom_sizes = np.array([tally.tokens[d] for d in names], dtype=np.int64)
+    doms = np.zeros((P, dom_sizes.size, L))
+    jsd = np.zeros((P, L))
+    for i in range(P):
+        if dom_sizes.size:
+            counts = np.zeros((dom_sizes.size, L, E), dtype=np.int64)
+            for g0, g1, c in _permuted_group_counts(dom_sizes, draw.sample, E, rng):
+                counts[g0:g1] = c
+            doms[i] = counts.max(axis=2) / dom_sizes[:, None]
+            jsd[i] = _domain_jsd(counts)
+        draw.step()
+    return {
+        "max_fraction": doms.mean(axis=0).tolist(),
+        "jsd": jsd.mean(axis=0).tolist() if len(names) > 1 else [None] * L,
+    }
+
+
+def _result(results: Results) -> dict:
+    acc, base = results.acc, results.baselines["domains"]
+    tally = acc.tallies["domains"]
+    L = acc.n_layers
+    names = sorted(tally.tokens)
+    domains = {"available": bool(tally.tokens), "names": names, "domains": {}}
+    jsd = _domain_jsd(np.stack([tally.load[d] for d in names])) if names else [None] * L
+    domains["specialization_by_layer"] = [
+        {"layer": layer, "jsd": j, "jsd_baseline": b} for layer, (j, b) in enumerate(zip(jsd, base["jsd"]))
+    ]
+    for d, baseline in zip(names, base["max_fraction"]):
+        max_fraction = (tally.load[d] / tally.tokens[d]).max(axis=1)
+        domains["domains"][d] = {
+            "n_tokens": int(tally.tokens[d]),
+            "fraction": (tally.load[d] / tally.tokens[d]).round(6).tolist(),
+            "max_fraction_by_layer": max_fraction.round(6).tolist(),
+            "baseline_by_layer": [round(b, 6) for b in baseline],
+            "lift_over_baseline_by_layer": [
+                round(float(m / b), 4) if b > 0 else None for m, b in zip(max_fraction, baseline)
+            ],
+        }
+    return domains
+
+
+def _render(report: dict, page: Page) -> str:
+    doms = report["domains"]
+    if not doms.get("available"):
+        return "<p>No domain labels were given (use <code>--domain-field</code> with a .jsonl corpus).</p>"
+    plt = _plt()
+    s = report["summary"]
+    L, E, k = s["n_layers"], s["n_experts"], s["top_k"]
+    d = doms["domains"]
+    names = list(doms.get("names") or d)
+    mats = []
+    for layer in range(L):
+        corpus_share = np.asarray(report["layers"][layer]["load_fraction"]) * k  # N_k(E) / N
+        mats.append(
+            np.divide(
+                np.asarray([d[n]["fraction"][layer] for n in names]),
+                corpus_share,
+                out=np.zeros((len(names), E)),
+                where=corpus_share > 0,
+            )
+        )
+    vmax = max(1.0, float(np.percentile(np.concatenate([m.ravel() for m in mats]), 99)))  # one scale
+    cols = min(4, L)
+    fig, axes = _grid(L, cols=cols, w=3.6, h=0.8 + 0.26 * len(names))
+    for layer, (ax, mat) in enumerate(zip(axes, mats)):
+        im = ax.imshow(mat, aspect="auto", cmap="magma", vmin=0, vmax=vmax)
+        ax.set_yticks(range(len(names)), names if layer % cols == 0 else [], fontsize=7)
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.tick_params(axis="x", labelsize=6)
+        if layer >= L - cols:
+            ax.set_xlabel("expert", fontsize=7)
+    fig.colorbar(im, ax=list(axes), fraction=0.02, pad=0.01, label="share / corpus share")
+    parts = [
+        "<p class='lead'>max<sub>E</sub> N_k(E,D)/N_D per layer (OLMoE paper, section 5), beside its "
+        "baseline: the same statistic with the token routes shuffled against the domain labels "
+        "(permutation). Cells: statistic / baseline (lift). The heatmaps divide each expert's share of "
+        "the domain by its share of the corpus (1 = no preference).</p>",
+        _table(
+            ["domain", "tokens", *[f"L{i}" for i in range(L)]],
+            [
+                [
+                    esc(n),
+                    d[n]["n_tokens"],
+                    *[
+                        f"{_fmt(m)} / {_fmt(b)} ({_fmt(lift, 2)}x)"
+                        for m, b, lift in zip(
+                            d[n]["max_fraction_by_layer"],
+                            d[n]["baseline_by_layer"],
+                            d[n]["lift_over_baseline_by_layer"],
+                        )
+                    ],
+                ]
+                for n in names
+            ],
+        ),
+        _figure(
+            fig,
+            "domain x expert load",
+            "Domain x expert load per layer: (N_k(E,D)/N_D) / (N_k(E)/N), 1 = the expert's corpus share.",
+        ),
+    ]
+    spec = doms.get("specialization_by_layer")
+    if spec:
+        fig, ax = plt.subplots(figsize=(5.5, 3))
+        xs = [r["layer"] for r in spec]
+        ax.plot(xs, _nan(r["jsd"] for r in spec), marker="o", label="JSD of the domains' loads")
+        ax.plot(xs, _nan(r["jsd_baseline"] for r in spec), linestyle="--", color="gray", label="permutation")
+        ax.set_xlabel("MoE layer")
+        ax.set_ylabel("nats")
+        ax.legend(fontsize=7)
+        parts.append(
+            "<h3>Domain specialisation score</h3><p>Generalised Jensen-Shannon divergence of the domains' "
+            "load distributions over experts (weights: the domains' token shares), beside the same "
+            "statistic with routes shuffled against the domain labels.</p>"
+            + _table(
+                ["layer", "JSD (nats)", "permutation"],
+                [[r["layer"], _fmt(r["jsd"], 4), _fmt(r["jsd_baseline"], 4)] for r in spec],
+            )
+            + _figure(
+                fig, "domain JSD", "Domain specialisation (JSD) per layer beside its permutation baseline."
+            )
+        )
+    return "".join(parts)
+
+
+SECTION = Section(
+    "domains",
+    "Domain specialization",
+    result=_result,
+    render=_render,
+    tally=_Domains,
+    baseline=_baseline,
+    baseline_steps=lambda acc: acc.permutations,
+    draw_order=2,
+    null="token routes shuffled against domain labels (max fraction and JSD)",
+)
