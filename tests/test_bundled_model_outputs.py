@@ -1,0 +1,82 @@
+"""The bundled model gives bit-identical outputs across changes to how its gates are built.
+
+``tests/fixtures/bundled_model_outputs.safetensors`` was written by :func:`bundled_outputs` from the
+code before upcycled models took their gates from ``moee.moe.gate_registry`` (their config's old
+``router_type`` names are migrated on load): embeddings, pooled routing scores, a slice of the LM
+logits and every router's logits. Regenerate it only when the bundled model itself changes:
+``python -c "import tests.test_bundled_model_outputs as t; t.write_fixture()"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURE = Path(__file__).parent / "fixtures" / "bundled_model_outputs.safetensors"
+TEXTS = [
+    "A cat sat on the mat.",
+    "Stock markets fell sharply on Monday after the report.",
+    "Quantum entanglement links two particles.",
+]
+
+
+def bundled_outputs(emb) -> dict[str, torch.Tensor]:
+    """What the fixture holds, computed with ``emb`` (the bundled model on the CPU)."""
+    out = {}
+    for method in ("hs", "rw", "moee_sum"):
+        vectors = emb.encode(TEXTS, method=method, pooling="mean", prompt=None, score="native", alpha=1.0)
+        out[f"encode_{method}"] = torch.from_numpy(vectors)
+    out["trace_rw_mean"] = torch.from_numpy(emb.trace(TEXTS, pooling="mean").rw)
+    batch = emb.tokenizer(TEXTS[1], return_tensors="pt")
+    logs: list[torch.Tensor] = []
+    hooks = [
+        f.router.register_forward_hook(lambda mod, args, o: logs.append(o[0].detach().clone()))
+        for f in emb.model.moe_ffns()
+    ]
+    try:
+        with torch.no_grad():
+            result = emb.model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    out["logits_text1_every16"] = result.logits[0, :, ::16].float().contiguous()
+    out["router_logits_text1"] = torch.stack(logs).float().contiguous()
+    out["input_ids_text1"] = batch["input_ids"][0].contiguous()
+    return out
+
+
+def _embedder():
+    import moee
+
+    return moee.MoEEmbedder.from_pretrained(device="cpu")
+
+
+def write_fixture() -> None:
+    from safetensors.torch import save_file
+
+    FIXTURE.parent.mkdir(exist_ok=True)
+    save_file(bundled_outputs(_embedder()), str(FIXTURE), metadata={"texts": "\n".join(TEXTS)})
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return _embedder()
+
+
+def test_bundled_model_outputs_are_bit_identical(bundled):
+    from safetensors.torch import load_file
+
+    expected = load_file(str(FIXTURE))
+    got = bundled_outputs(bundled)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_bundled_config_keeps_its_saved_router_type_loading(bundled):
+    # the saved config.json says router_type "loss_free" with softmax scores (no router_score_func key)
+    gate = bundled.model.moe_ffns()[0].router.gate
+    assert type(gate).__name__ == "LossFreeBalancedGate"
+    assert gate.score_func == "softmax"
