@@ -116,12 +116,10 @@ def tiny_config(
     """A small config of ``model_type`` (a transformers ``PreTrainedConfig``)."""
     from transformers import AutoConfig
 
-    if model_type == "moee_lm":
-        import moee.moe.lm  # noqa: F401  (registers the architecture)
-    from moee.models import NATIVE_MODEL_TYPES, register_native_models
+    from moee.models import MODEL_TYPES, register_models
 
-    if model_type in NATIVE_MODEL_TYPES:
-        register_native_models()
+    if model_type in MODEL_TYPES:
+        register_models()  # moee_lm, moee_upcycled, deepseek
 
     defaults = AutoConfig.for_model(model_type).to_dict()
     kwargs: dict[str, Any] = {}
