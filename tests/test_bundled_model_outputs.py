@@ -80,3 +80,15 @@ def test_bundled_config_keeps_its_saved_router_type_loading(bundled):
     gate = bundled.model.moe_ffns()[0].router.gate
     assert type(gate).__name__ == "LossFreeBalancedGate"
     assert gate.score_func == "softmax"
+
+
+def test_bundled_model_returns_its_router_logits(bundled):
+    from safetensors.torch import load_file
+
+    expected = load_file(str(FIXTURE))["router_logits_text1"]  # [layers, tokens, experts], from hooks
+    batch = bundled.tokenizer(TEXTS[1], return_tensors="pt")
+    with torch.no_grad():
+        out = bundled.model(**batch, output_router_logits=True)
+    assert isinstance(out.router_logits, tuple) and len(out.router_logits) == bundled.n_moe_layers
+    assert all(r.shape == (batch["input_ids"].numel(), bundled.n_experts) for r in out.router_logits)
+    assert torch.equal(torch.stack(out.router_logits).float(), expected)

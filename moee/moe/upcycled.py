@@ -607,6 +607,7 @@ class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
                 f"an upcycled {model_type} is an encoder, not a causal LM: load it with AutoModel "
                 "(or upcycle it with causal=True)"
             )
+        gate_spec(config.router_type).warn_if_leaky(stacklevel=2)  # expert choice looks ahead
         super().__init__(config, dense)
 
     def get_output_embeddings(self) -> nn.Module:
