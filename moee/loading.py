@@ -13,9 +13,14 @@ knows the right answer: its accelerate hook's ``execution_device`` is where toke
 up, which is where ``input_ids``/``attention_mask`` must go.
 
 :class:`LoadOptions` is the one set of loading options (device, dtype, device_map, 4-bit,
-remote code, pickle weights): :func:`add_loading_arguments` gives every command the same flags,
-:meth:`LoadOptions.from_args` reads them back, and ``MoEEmbedder.from_pretrained(name, options)``
-is the one loader they all reach.
+remote code, pickle weights, tokenizer): :func:`add_loading_arguments` gives every command the same
+flags, :meth:`LoadOptions.from_args` reads them back, and :func:`load_model` is the one loader every
+command, ``MoEEmbedder.from_pretrained`` and the trainer's ``init.from`` reach. It registers every
+model type moee defines (``moee.models.register_models``), reads ``name@revision``, loads the
+weights with :func:`load_causal_lm`, places them, and finds the tokenizer (:func:`tokenizer_source`):
+``LoadOptions.tokenizer`` when given, else the model folder's own, else, for a training checkpoint
+(``moee train``'s ``run/step_XXXXXXXX/``, which holds no tokenizer), the one its run was trained
+with; an error names what is missing when none is found.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI parsers start without it
     import torch
@@ -31,11 +36,17 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI parsers star
 
 __all__ = [
     "DTYPES",
+    "TOKENIZER_FILES",
+    "Loaded",
     "LoadOptions",
+    "TokenizerSource",
     "add_loading_arguments",
     "four_bit_config",
     "input_device",
     "load_causal_lm",
+    "load_model",
+    "split_revision",
+    "tokenizer_source",
 ]
 
 #: Weight dtypes the CLI offers (``auto``: the checkpoint's own; none given: transformers' default).
@@ -45,7 +56,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load a model: where (``device`` or ``device_map``), in which ``dtype`` (a name of
-    :data:`DTYPES`), in 4-bit NF4, with the repository's own code, from pickle weights.
+    :data:`DTYPES`), in 4-bit NF4, with the repository's own code, from pickle weights, and with
+    which ``tokenizer`` (a directory or Hub id; ``None``: the model's own, or its training run's).
 
     Frozen and checked on construction; :meth:`hf_kwargs` turns it into transformers keywords.
     """
@@ -56,6 +68,7 @@ class LoadOptions:
     load_in_4bit: bool = False
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -73,6 +86,7 @@ class LoadOptions:
             load_in_4bit=args.load_in_4bit,
             trust_remote_code=args.trust_remote_code,
             allow_pickle_weights=args.allow_bin,
+            tokenizer=getattr(args, "tokenizer", None),
         )
 
     def replace(self, **changes: Any) -> LoadOptions:
@@ -130,6 +144,13 @@ def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True
         "--allow-bin",
         action="store_true",
         help="also load pickled .bin weights (off by default: unpickling can run code; safetensors only)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR_OR_ID",
+        help="tokenizer directory or Hub id (default: the model's own; for a training checkpoint, "
+        "the one its run was trained with)",
     )
 
 
@@ -259,3 +280,134 @@ def input_device(model: nn.Module) -> torch.device:
         if param.device.type != "meta":
             return param.device
     return torch.device("cpu")
+
+
+#: Files of which any one makes a directory hold a tokenizer ``AutoTokenizer`` can read.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def split_revision(spec: str | Path) -> tuple[str, str | None]:
+    """``name@revision`` -> ``(name, revision)``; a local path (even one holding ``@``) or a name
+    without ``@`` -> ``(spec, None)``."""
+    text = str(spec)
+    if Path(text).expanduser().exists() or "@" not in text:
+        return text, None
+    name, _, revision = text.rpartition("@")
+    return name, revision or None
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+class TokenizerSource(NamedTuple):
+    """Where a model's tokenizer is read from: ``name`` (a directory or Hub id; ``None``: nowhere) and
+    ``origin``: ``"option"`` (``LoadOptions.tokenizer``), ``"model"`` (the model's own), ``"run"``
+    (the tokenizer a training checkpoint's run names) or ``"none"``."""
+
+    name: str | None
+    origin: str
+
+
+def tokenizer_source(name_or_path: str | Path, options: LoadOptions | None = None) -> TokenizerSource:
+    """Where the tokenizer of model ``name_or_path`` is read from: ``options.tokenizer`` when given;
+    a Hub id's own; a local folder's own when it holds one (:data:`TOKENIZER_FILES`); else, for a
+    training checkpoint, the tokenizer its run names (``moee.moe.checkpoint.run_tokenizer``);
+    else nowhere (``origin="none"``)."""
+    if options is not None and options.tokenizer is not None:
+        return TokenizerSource(options.tokenizer, "option")
+    name, _ = split_revision(name_or_path)
+    local = Path(name).expanduser()
+    if not local.is_dir() or _has_tokenizer(local):
+        return TokenizerSource(name, "model")  # a Hub id's tokenizer is resolved with the model
+    from moee.moe.checkpoint import run_tokenizer
+
+    named = run_tokenizer(local)
+    return TokenizerSource(named, "run") if named is not None else TokenizerSource(None, "none")
+
+
+def _no_tokenizer(name: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"no tokenizer for model {name}: the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])} "
+        "...) and is not a training checkpoint whose run names one; pass --tokenizer DIR "
+        "(LoadOptions(tokenizer=...)) with the tokenizer the model was trained with"
+    )
+
+
+class Loaded(NamedTuple):
+    """What :func:`load_model` returns: the model, its tokenizer (``None`` when not asked for) and
+    where the tokenizer came from."""
+
+    model: Any
+    tokenizer: Any
+    tokenizer_source: str | None
+
+
+def load_model(
+    name_or_path: str | Path,
+    options: LoadOptions | None = None,
+    *,
+    tokenizer: bool = True,
+    fallback_tokenizer: Any = None,
+    **hf_kwargs: Any,
+) -> Loaded:
+    """Load model ``name_or_path`` (a local folder, a training checkpoint folder, a Hub id, or
+    ``name@revision``) as ``options`` say, and its tokenizer (:func:`tokenizer_source`); the one loader
+    of every command and of the Python API.
+
+    Every moee model type is registered first, the weights come from :func:`load_causal_lm`
+    (safetensors only unless ``options.allow_pickle_weights``), and without a ``device_map`` the model
+    is moved to ``options.device`` (default: CUDA when available, else the CPU). ``hf_kwargs`` are
+    further ``from_pretrained`` keywords (``attn_implementation`` ...). ``tokenizer=False`` loads the
+    model only. ``fallback_tokenizer`` is used when the model has no tokenizer of its own and names
+    none (checkpoints of one run share one); without it that is a ``FileNotFoundError`` that says
+    what is missing and how to give it.
+    """
+    import torch
+
+    from moee.models import register_models
+
+    register_models()
+    options = options or LoadOptions()
+    name, revision = split_revision(name_or_path)
+    extra = {"revision": revision} if revision else {}
+    source = tokenizer_source(name_or_path, options) if tokenizer else TokenizerSource(None, "none")
+    missing = tokenizer and source.name is None and fallback_tokenizer is None
+    if missing and (Path(name).expanduser() / "config.json").is_file():  # before reading the weights
+        raise _no_tokenizer(name)
+    model = load_causal_lm(
+        name,
+        trust_remote_code=options.trust_remote_code,
+        allow_pickle_weights=options.allow_pickle_weights,
+        **{**options.hf_kwargs(), **extra, **hf_kwargs},
+    )
+    if "device_map" not in hf_kwargs and options.device_map is None:
+        model.to(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not tokenizer:
+        return Loaded(model, None, None)
+    if missing:
+        raise _no_tokenizer(name)
+    if source.name is None:
+        return Loaded(model, fallback_tokenizer, None)
+    from transformers import AutoTokenizer
+
+    own = {"revision": revision} if revision and source.origin == "model" else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(source.name, trust_remote_code=options.trust_remote_code, **own)
+    except (OSError, ValueError) as exc:
+        if source.origin != "run":
+            raise
+        raise FileNotFoundError(
+            f"{name} is a training checkpoint whose run was trained with the tokenizer {source.name!r}, "
+            f"which cannot be loaded from here ({type(exc).__name__}: {exc}); pass --tokenizer DIR "
+            "(LoadOptions(tokenizer=...)) with that tokenizer"
+        ) from exc
+    return Loaded(model, tok, source.name)

@@ -85,6 +85,8 @@ def test_options_reach_load_causal_lm_like_the_keywords(monkeypatch, tmp_path):
     monkeypatch.setattr(moee.loading, "load_causal_lm", fake_load)
     import torch
 
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # the folder has a tokenizer: weights load next
+
     with pytest.raises(_Loaded):
         MoEEmbedder.from_pretrained(
             str(tmp_path), LoadOptions(dtype="bfloat16", device_map="auto", trust_remote_code=True)

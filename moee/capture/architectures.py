@@ -213,6 +213,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "zaya": Architecture("softmax", "9 columns per layer: 8 experts + the skip expert the router can choose"),
     "moee_lm": Architecture("softmax", "this project's own MoE LM (`moee.moe.lm`), no special case"),
+    "moee_upcycled": Architecture(
+        "softmax_bias",
+        "this project's upcycled dense models (`moee.moe.upcycled`, the bundled model); the router names "
+        "its gate's rule; checked in copy mode (split mode sums the selected experts, the scores only select)",
+    ),
     # softmax for scores, a statistics / correction bias for the selection only
     "ernie4_5_moe": Architecture("softmax_bias"),
     "longcat_flash": Architecture("softmax_bias", "includes zero (identity) experts when configured"),

@@ -84,6 +84,14 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         "attn_layer_offset": 0,
     },
     "longcat_flash": {"zero_expert_num": 0},
+    # copy mode: the block weights its experts by the router's scores (split mode sums them with
+    # weight 1, so there is no weighting to check the native scores against)
+    "moee_upcycled": {"upcycle_mode": "copy", "shared_intermediate_size": 0, "router_type": "loss_free"},
+}
+
+# Model types whose config wraps a dense model's (``text_config``): that model, shrunk the same way.
+_TEXT_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "moee_upcycled": ("bert", {"is_decoder": True}),  # as the bundled model: a causal BERT
 }
 
 TINY_WORDS = (
@@ -116,12 +124,10 @@ def tiny_config(
     """A small config of ``model_type`` (a transformers ``PreTrainedConfig``)."""
     from transformers import AutoConfig
 
-    if model_type == "moee_lm":
-        import moee.moe.lm  # noqa: F401  (registers the architecture)
-    from moee.models import NATIVE_MODEL_TYPES, register_native_models
+    from moee.models import MODEL_TYPES, register_models
 
-    if model_type in NATIVE_MODEL_TYPES:
-        register_native_models()
+    if model_type in MODEL_TYPES:
+        register_models()  # moee_lm, moee_upcycled, deepseek
 
     defaults = AutoConfig.for_model(model_type).to_dict()
     kwargs: dict[str, Any] = {}
@@ -174,6 +180,11 @@ def tiny_config(
     if "vocab_size_per_layer_input" in defaults:
         kwargs["vocab_size_per_layer_input"] = vocab_size
     kwargs.update(pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    if model_type in _TEXT_CONFIGS:
+        dense, extra = _TEXT_CONFIGS[model_type]
+        kwargs["text_config"] = tiny_config(
+            dense, n_layers=n_layers, vocab_size=vocab_size, hidden_size=hidden_size, **extra
+        )
     kwargs.update(_OVERRIDES.get(model_type, {}))
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)

@@ -3,8 +3,10 @@
 ``--mode copy`` copies each FFN into every expert (sparse upcycling); ``--mode split`` partitions
 each FFN's neurons into equal-size experts by balanced k-means (MoEfication). The output directory
 holds safetensors weights, the config (``model_type: moee_upcycled``) and the source tokenizer;
-it loads with the transformers Auto classes once ``moee.moe.upcycled`` is imported, and with
-``moee.MoEEmbedder.from_pretrained``.
+it loads with the transformers Auto classes after ``import moee``, with
+``moee.MoEEmbedder.from_pretrained`` and every command's ``--model``. ``--router`` is any gate
+of the registry the from-scratch LM uses (``moee.moe.gate_registry.GATES``), its other fields
+``--router-option KEY=VALUE``.
 """
 
 from __future__ import annotations
@@ -67,14 +69,26 @@ def register(subparsers) -> None:
         metavar="I,J,...",
         help="depth up-scaling first: the new layer list as old layer indices, e.g. 0,1,2,3,2,3,4,5",
     )
+    from moee.moe.gate_registry import GATES
+
     p.add_argument(
         "--router",
-        choices=("top_k", "loss_free"),
-        default="top_k",
-        help="router kind: deterministic top-k, or top-k with a loss-free balancing bias (default %(default)s)",
+        choices=tuple(GATES),
+        default="noisy_top_k",
+        help="the gate, any of moee.moe.gate_registry.GATES, as in moee train's model.router_type "
+        "(default %(default)s, without noise: deterministic top-k; loss_free: top-k with a "
+        "loss-free balancing bias)",
     )
     p.add_argument(
         "--router-bias-gamma", type=float, default=1e-3, help="loss-free bias step (default %(default)s)"
+    )
+    p.add_argument(
+        "--router-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another router_* field of the gate (repeatable; VALUE is JSON, else a string), e.g. "
+        "router_n_groups=4 for hierarchical (moee/moe/README_TRAINING.md lists them)",
     )
     p.add_argument(
         "--trim-vocab",
@@ -130,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         layer_order=order,
         router_type=args.router,
         router_bias_gamma=args.router_bias_gamma,
+        router_options=router_options(args.router_option),
     )
     has_tokenizer = Path(args.src).is_dir() and any(
         (Path(args.src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
@@ -151,6 +166,22 @@ def run(args: argparse.Namespace) -> int:
         f"router {cfg.router_init}/{cfg.router_type}, vocabulary {model.get_input_embeddings().weight.shape[0]})"
     )
     return 0
+
+
+def router_options(pairs: list[str]) -> dict:
+    """``--router-option KEY=VALUE`` pairs as config fields (a JSON value, else the string)."""
+    import json
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router-option must be KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
 
 
 def _adapt_tokenizer(model, tokenizer_from: str, args: argparse.Namespace):

@@ -236,36 +236,41 @@ class MoEEmbedder:
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
         allow_pickle_weights: bool = False,
+        tokenizer: str | None = None,
         **hf_kwargs: Any,
     ) -> MoEEmbedder:
-        """Load a causal LM and its tokenizer with transformers (``dtype``, ``device_map`` and any
-        other keyword are passed through). ``None`` loads the bundled default model. Weights load
-        from safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`).
+        """Load a causal LM and its tokenizer with :func:`moee.loading.load_model`, the loader every
+        command uses (``dtype``, ``device_map`` and any other keyword are passed through to
+        transformers). ``None`` loads the bundled default model; a training checkpoint folder
+        (``moee train``'s ``run/step_XXXXXXXX``) loads with the tokenizer its run names, and
+        ``tokenizer`` (a directory or Hub id) overrides the model's own. Weights load from
+        safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`).
 
         ``options`` (a :class:`moee.loading.LoadOptions`, what every CLI command passes) gives the
-        device, dtype, device_map, 4-bit, remote-code and pickle choices in one object; it cannot be
-        combined with those keywords."""
-        from transformers import AutoTokenizer
-
-        import moee.moe.lm  # noqa: F401  (registers model_type "moee_lm" with the Auto classes)
-        import moee.moe.upcycled  # noqa: F401  (registers "moee_upcycled", see moee upcycle)
-        from moee.loading import load_causal_lm
-        from moee.models import register_native_models
-
-        register_native_models()  # model types transformers lacks, e.g. DeepSeekMoE v1 ("deepseek")
+        device, dtype, device_map, 4-bit, remote-code, pickle and tokenizer choices in one object; it
+        cannot be combined with those keywords."""
+        from moee.loading import LoadOptions, load_model
 
         if options is not None:
-            given = [k for k, v in (("device", device), ("dtype", dtype)) if v is not None]
+            given = [
+                k
+                for k, v in (("device", device), ("dtype", dtype), ("tokenizer", tokenizer))
+                if v is not None
+            ]
             given += ["trust_remote_code"] if trust_remote_code else []
             given += ["allow_pickle_weights"] if allow_pickle_weights else []
             given += [k for k in ("device_map", "quantization_config") if k in hf_kwargs]
             if given:
                 raise TypeError(f"pass {', '.join(given)} inside options, not beside it")
-            device, trust_remote_code = options.device, options.trust_remote_code
-            allow_pickle_weights = options.allow_pickle_weights
-            hf_kwargs.update(options.hf_kwargs())
-        if device is not None and "device_map" in hf_kwargs:
-            raise ValueError("pass either device or device_map, not both")
+        else:
+            if device is not None and "device_map" in hf_kwargs:
+                raise ValueError("pass either device or device_map, not both")
+            options = LoadOptions(
+                device=None if device is None else str(device),
+                trust_remote_code=trust_remote_code,
+                allow_pickle_weights=allow_pickle_weights,
+                tokenizer=tokenizer,
+            )
         if name_or_path is None:
             if not (DEFAULT_MODEL_DIR / "config.json").is_file():
                 raise FileNotFoundError(
@@ -276,16 +281,8 @@ class MoEEmbedder:
         name_or_path = str(name_or_path)
         if dtype is not None:
             hf_kwargs["dtype"] = dtype
-        model = load_causal_lm(
-            name_or_path,
-            trust_remote_code=trust_remote_code,
-            allow_pickle_weights=allow_pickle_weights,
-            **hf_kwargs,
-        )
-        if "device_map" not in hf_kwargs:
-            model.to(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, name_or_path=name_or_path)
+        loaded = load_model(name_or_path, options, **hf_kwargs)
+        return cls(loaded.model, loaded.tokenizer, name_or_path=name_or_path)
 
     # ------------------------------------------------------------------ set-up helpers
     def _default_max_length(self, text_config) -> int:

@@ -8,8 +8,14 @@ token's experts depend on later tokens of its sequence even in eval mode, carrie
 LM gives when the gate is selected for causal language modelling. Entries read the config by
 attribute only, so this module needs torch, not transformers.
 
-Adding a gate is one :func:`register` call; ``lm.py``, the trainer and ``moee train`` pick it up
+The same registry serves the from-scratch LM (``moee.moe.lm.MoEEConfig``) and upcycled models
+(``moee.moe.upcycled.MoEEUpcycledConfig``, ``moee upcycle --router``): both configs take their
+``router_*`` fields from :class:`RouterFields`, so a gate reads the same keys with the same names
+in either. Adding a gate is one :func:`register` call plus its fields in :class:`RouterFields`;
+``lm.py``, ``upcycled.py``, the trainer, ``moee train`` and ``moee upcycle`` pick it up
 (``docs/ARCHITECTURE.md`` has an example, ``moee/moe/README_TRAINING.md`` lists the keys).
+Names a saved config may still carry from before the registries were one are in
+:data:`ALIASES` and are rewritten on load (:func:`resolve_router`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from moee.moe.gates import (
@@ -30,11 +37,47 @@ from moee.moe.gates import (
     NoisyTopKGate,
     SoftmaxGate,
 )
-from moee.moe.switch import SwitchRouter
+from moee.moe.switch import DEFAULT_ALPHA, SwitchRouter
 
-__all__ = ["GateSpec", "GATES", "CausalLeakWarning", "register", "gate_spec", "build_gate"]
+__all__ = [
+    "ALIASES",
+    "GATES",
+    "CausalLeakWarning",
+    "GateAlias",
+    "GateSpec",
+    "RouterFields",
+    "build_gate",
+    "gate_spec",
+    "load_router_weight",
+    "register",
+    "resolve_router",
+]
 
 DEFAULT_SWITCH_CAPACITY_FACTOR = 1.25
+
+
+@dataclass(kw_only=True)
+class RouterFields:
+    """The ``router_*`` config fields every gate of :data:`GATES` reads, with the LM's defaults.
+
+    A base of both ``MoEEConfig`` and ``MoEEUpcycledConfig`` (transformers configs are
+    dataclasses, so these become fields of each); a config class may override a default
+    (upcycled models default to a deterministic router without balancing losses). A new gate's
+    keys go here.
+    """
+
+    router_type: str = "noisy_top_k"
+    router_noisy: bool = True
+    router_bias_gamma: float = 1e-3
+    router_score_func: str = "sigmoid"
+    router_w_importance: float = 0.1
+    router_w_load: float = 0.1
+    router_n_groups: int | None = None
+    router_k_primary: int = 2
+    router_w_threshold: float = 1.0
+    router_capacity_factor: float | None = None
+    router_min_capacity: int = 1
+    router_switch_alpha: float = DEFAULT_ALPHA
 
 
 class CausalLeakWarning(UserWarning):
@@ -60,7 +103,9 @@ class GateSpec:
     (Shazeer et al. 2017, Appendix A: with exploration noise, or a dense gate, a uniform start is
     right), to the constant ``constant_init[name](config)`` for the named ones, and else from
     ``N(0, initializer_range^2)``. ``future_tokens`` is the leak warning, ``None`` when in eval mode
-    every token's selection depends on that token alone.
+    every token's selection depends on that token alone. ``load_weight(gate, weight [E, d])`` puts
+    an upcycled router's start (cluster centroids, random or zero rows, one per expert) into the
+    gate's parameters; ``None``: the gate's ``w_gate`` Linear takes it as is.
     """
 
     name: str
@@ -71,6 +116,7 @@ class GateSpec:
     zero_init: Callable[[Any], bool] = _never
     constant_init: dict[str, Callable[[Any], float]] = field(default_factory=dict)
     future_tokens: str | None = None
+    load_weight: Callable[[nn.Module, torch.Tensor], None] | None = None
 
     def parameter_init(self, name: str, config: Any) -> tuple[str, float]:
         """How the LM initialises router parameter ``name``: ``("zeros" | "constant" | "normal", value)``."""
@@ -114,6 +160,68 @@ def build_gate(config: Any) -> nn.Module:
     spec = gate_spec(config.router_type)
     spec.check(config)
     return spec.build(config)
+
+
+@dataclass(frozen=True)
+class GateAlias:
+    """An old ``router_type`` name: the entry of :data:`GATES` it means and the field values it implied."""
+
+    name: str
+    fields: dict[str, Any]
+
+
+#: Old ``router_type`` names (upcycled models saved before one registry served every model) ->
+#: what they mean now: ``top_k`` was the deterministic top-k softmax gate without balancing losses.
+ALIASES: dict[str, GateAlias] = {
+    "top_k": GateAlias(
+        "noisy_top_k", {"router_noisy": False, "router_w_importance": 0.0, "router_w_load": 0.0}
+    ),
+}
+
+
+def resolve_router(config: Any) -> GateSpec:
+    """Rewrite an old ``router_type`` of ``config`` in place (:data:`ALIASES`), check the fields its
+    gate reads, and return the gate's entry. Every config with a ``router_type`` calls this on
+    construction, so a saved model with an old name loads as before and saves the new one."""
+    alias = ALIASES.get(config.router_type) if isinstance(config.router_type, str) else None
+    if alias is not None:
+        config.router_type = alias.name
+        for key, value in alias.fields.items():
+            setattr(config, key, value)
+    spec = gate_spec(config.router_type)
+    spec.check(config)
+    return spec
+
+
+@torch.no_grad()
+def load_router_weight(router_type: str, gate: nn.Module, weight: torch.Tensor) -> None:
+    """Start ``gate`` (a ``router_type`` gate) from ``weight [num_experts, hidden]``, one row per
+    expert (how ``moee upcycle`` initialises its routers)."""
+    spec = gate_spec(router_type)
+    if spec.load_weight is not None:
+        spec.load_weight(gate, weight)
+        return
+    target = gate.w_gate.weight
+    if weight.shape != target.shape:
+        raise ValueError(f"router weight must be {tuple(target.shape)}, got {tuple(weight.shape)}")
+    target.copy_(weight)
+
+
+def _load_hierarchical(gate: nn.Module, weight: torch.Tensor) -> None:
+    """Expert ``i * b + j`` is expert ``j`` of group ``i``: each group's secondary gate gets its
+    experts' rows, the primary gate the mean row of each group."""
+    a, b = gate.n_groups, gate.experts_per_group
+    if weight.shape != (a * b, gate.d_model):
+        raise ValueError(f"router weight must be {(a * b, gate.d_model)}, got {tuple(weight.shape)}")
+    grouped = weight.reshape(a, b, gate.d_model)
+    gate.w_gate.weight.copy_(grouped.mean(dim=1))
+    gate.w_gate_secondary.copy_(grouped.transpose(1, 2))
+
+
+def _load_switch(gate: nn.Module, weight: torch.Tensor) -> None:
+    if weight.shape[::-1] != gate.weight.shape:
+        raise ValueError(f"router weight must be {tuple(gate.weight.shape[::-1])}, got {tuple(weight.shape)}")
+    gate.weight.copy_(weight.t())
 
 
 # ----------------------------------------------------------------------------- field checks
@@ -292,6 +400,7 @@ register(
             init_std=c.initializer_range,
         ),
         zero_init=lambda c: bool(c.router_noisy),
+        load_weight=_load_hierarchical,
     )
 )
 
@@ -338,6 +447,7 @@ register(
             alpha=c.router_switch_alpha,
             init_std=c.initializer_range,
         ),
+        load_weight=_load_switch,
     )
 )
 

@@ -32,9 +32,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from moee.moe.gate_registry import GATES, build_gate, gate_spec
+from moee.moe.gate_registry import GATES, RouterFields, build_gate, gate_spec, resolve_router
 from moee.moe.layer import Experts, MoEERouter, MoELayer
-from moee.moe.switch import DEFAULT_ALPHA
 
 __all__ = ["MoEEConfig", "MoEEModel", "MoEEForCausalLM", "MoEERouter", "MoEEPreTrainedModel"]
 
@@ -42,12 +41,13 @@ __all__ = ["MoEEConfig", "MoEEModel", "MoEEForCausalLM", "MoEERouter", "MoEEPreT
 ROUTER_TYPES = tuple(GATES)
 
 
-class MoEEConfig(PreTrainedConfig):
+class MoEEConfig(PreTrainedConfig, RouterFields):
     """Configuration of `MoEEForCausalLM`.
 
     `router_type` selects the gate of every MoE layer from the registry
     `moee.moe.gate_registry.GATES` (one entry per gate; each lists the `router_*` fields it
-    reads, and moee/moe/README_TRAINING.md tabulates them): `"noisy_top_k"` (default) is
+    reads, which come from `moee.moe.gate_registry.RouterFields`, and moee/moe/README_TRAINING.md
+    tabulates them): `"noisy_top_k"` (default) is
     Shazeer's noisy top-k gate (`router_noisy`) with importance and load losses weighted by
     `router_w_importance` / `router_w_load` (the paper's LM setting is 0.1 / 0.1); `"loss_free"`
     is the auxiliary-loss-free bias balancing (bias step `router_bias_gamma`, no loss) over
@@ -85,18 +85,6 @@ class MoEEConfig(PreTrainedConfig):
     shared_expert_intermediate_size: int | None = None
     first_k_dense_replace: int = 0
     intermediate_size: int = 512
-    router_type: str = "noisy_top_k"
-    router_noisy: bool = True
-    router_bias_gamma: float = 1e-3
-    router_score_func: str = "sigmoid"
-    router_w_importance: float = 0.1
-    router_w_load: float = 0.1
-    router_n_groups: int | None = None
-    router_k_primary: int = 2
-    router_w_threshold: float = 1.0
-    router_capacity_factor: float | None = None
-    router_min_capacity: int = 1
-    router_switch_alpha: float = DEFAULT_ALPHA
     output_router_logits: bool = False
     use_cache: bool = True
     tie_word_embeddings: bool = True
@@ -115,7 +103,7 @@ class MoEEConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
             )
-        gate_spec(self.router_type).check(self)
+        resolve_router(self)
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense_replace must be in [0, {self.num_hidden_layers}]")
         super().__post_init__(**kwargs)

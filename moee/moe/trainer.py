@@ -464,11 +464,11 @@ def _build_model(cfg: dict, tokenizer: Any):
 def _load_init(source: str, tokenizer: Any, seq_len: int):
     """Continued pretraining: the model saved at ``source`` (safetensors; e.g. a `moee upcycle`
     output), checked against the tokenizer and the window length."""
-    import moee.moe.lm  # noqa: F401  (registers moee_lm)
-    import moee.moe.upcycled  # noqa: F401  (registers moee_upcycled)
-    from moee.loading import load_causal_lm
+    from moee.loading import LoadOptions, load_model
 
-    model = load_causal_lm(source, dtype=torch.float32)
+    # the loader of every command (any moee model type, a training checkpoint, name@revision), in
+    # float32 on the CPU; the trainer moves it to its device
+    model = load_model(source, LoadOptions(dtype="float32", device="cpu"), tokenizer=False).model
     vocab = model.get_input_embeddings().weight.shape[0]
     if vocab < len(tokenizer):
         raise ValueError(f"init.from {source}: its vocabulary of {vocab} < tokenizer size {len(tokenizer)}")

@@ -22,14 +22,15 @@ The result is a `moee.moe.upcycled.MoEEUpcycledForCausalLM` (decoders) or `MoEEU
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from moee.moe.gate_registry import RouterFields, gate_spec
 from moee.moe.upcycled import (
     FAMILIES,
     MODES,
-    ROUTERS,
     DenseFFN,
     MoEEUpcycledConfig,
     MoEEUpcycledForCausalLM,
@@ -197,8 +198,9 @@ def upcycle(
     dtype: torch.dtype | None = None,
     causal: bool = False,
     layer_order: list[int] | None = None,
-    router_type: str = "top_k",
+    router_type: str = "noisy_top_k",
     router_bias_gamma: float = 1e-3,
+    router_options: dict[str, Any] | None = None,
 ) -> MoEEUpcycledPreTrainedModel:
     """Build an MoE model from a dense checkpoint (a path / hub name, or a loaded model).
 
@@ -212,11 +214,19 @@ def upcycle(
     (``is_decoder=True``: causal self-attention and the family's LM head, tied to the input
     embeddings), so it loads with ``AutoModelForCausalLM``. ``layer_order`` applies depth
     up-scaling first (`moee.moe.upcycled.reorder_layers`, e.g. ``[0, 1, 2, 3, 2, 3, 4, 5]``).
-    ``router_type`` is a key of `moee.moe.upcycled.ROUTERS` (``loss_free``: a selection bias that
-    training moves towards balanced load, step ``router_bias_gamma``).
+    ``router_type`` is any gate of `moee.moe.gate_registry.GATES` (the names the from-scratch LM
+    uses; ``noisy_top_k``, by default without noise: the deterministic top-k softmax gate;
+    ``loss_free``: a selection bias that training moves towards balanced load, step
+    ``router_bias_gamma``); ``router_options`` sets its other ``router_*`` fields
+    (`moee.moe.gate_registry.RouterFields`, e.g. ``{"router_n_groups": 4}`` for ``hierarchical``;
+    a ``router_bias_gamma`` there wins over the argument).
     """
-    if router_type not in ROUTERS:
-        raise ValueError(f"router_type must be one of {tuple(ROUTERS)}, got {router_type!r}")
+    gate_spec(router_type)  # an unknown name fails here, before the dense model loads
+    known = [k for k in RouterFields.__dataclass_fields__ if k != "router_type"]
+    unknown = sorted(k for k in (router_options or {}) if k not in known)
+    if unknown:
+        raise ValueError(f"unknown router option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    router_fields = {"router_bias_gamma": router_bias_gamma, **(router_options or {})}
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     router_init = router_init or ("centroid" if mode == "split" else "random")
@@ -288,8 +298,8 @@ def upcycle(
         shared_intermediate_size=shared_width,
         router_init=router_init,
         router_type=router_type,
-        router_bias_gamma=router_bias_gamma,
         upcycled_from=str(name) if name else None,
+        **router_fields,
     )
     model = expected(config, dense=dense_model)
     for moe, (ffn, groups, shared, router) in zip(model.moe_ffns(), plans, strict=True):

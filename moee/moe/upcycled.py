@@ -10,11 +10,14 @@ Where the FFN lives and how it is built differs per family; :data:`FAMILIES` is 
 (Llama-style SwiGLU ``gate/up/down``, GPT-2 ``c_fc/c_proj`` Conv1D with biases, BERT
 ``intermediate.dense`` + ``output.dense`` whose LayerNorm and residual stay outside the experts).
 
-The router is declared in ``_can_record_outputs["router_logits"]`` (like `moee.moe.lm`), so
-`moee.capture.find_routers` finds one router per MoE layer without a special case. Importing this
-module registers the config with `AutoConfig` and the models with `AutoModel` /
-`AutoModelForCausalLM` (decoder families only), so a saved directory loads with the Auto classes
-after ``import moee.moe.upcycled`` (``moee.moe.upcycle`` imports it).
+The router is any gate of `moee.moe.gate_registry.GATES` (``router_type`` and the ``router_*``
+fields of `moee.moe.gate_registry.RouterFields`, the same names as the from-scratch LM), wrapped in
+a `MoEERouter` and declared in ``_can_record_outputs["router_logits"]`` (like `moee.moe.lm`), so
+`moee.capture.find_routers` finds one router per MoE layer without a special case, and
+``output_router_logits=True`` returns each MoE layer's router logits ``[tokens, num_experts]`` as
+``router_logits``, as transformers' MoE models do. Importing this module registers the config with
+`AutoConfig` and the models with `AutoModel` / `AutoModelForCausalLM` (decoder families only);
+``import moee`` arranges that (`moee.models.register_models`).
 
 How experts are combined (see docs/UPCYCLING.md):
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -48,14 +52,13 @@ from transformers import (
 from transformers.configuration_utils import SubConfigSpec
 from transformers.utils.output_capturing import OutputRecorder
 
-from moee.moe.gates import LossFreeBalancedGate, NoisyTopKGate
+from moee.moe.gate_registry import RouterFields, build_gate, gate_spec, load_router_weight, resolve_router
 from moee.moe.layer import MoEERouter, dispatch_combine, routing_stats
 from moee.moe.lm import MoEECausalLMOutput
 
 __all__ = [
     "FAMILIES",
     "MODES",
-    "ROUTERS",
     "DenseFFN",
     "FamilyRule",
     "MoEEUpcycledConfig",
@@ -71,14 +74,11 @@ __all__ = [
 
 MODES = ("split", "copy")
 
-#: Router kinds of an upcycled MoE FFN: ``top_k`` (deterministic top-k over ``x W_r``, softmax over
-#: the selected) or ``loss_free`` (the same softmax scores plus a selection-only bias that
-#: auxiliary-loss-free balancing moves during training; Wang et al. 2024). Each builds the gate
-#: from ``(d_model, n_experts, top_k, bias_gamma)``.
-ROUTERS: dict[str, Callable[[int, int, int, float], nn.Module]] = {
-    "top_k": lambda d, e, k, gamma: NoisyTopKGate(d, e, k, noisy=False),
-    "loss_free": lambda d, e, k, gamma: LossFreeBalancedGate(d, e, k, gamma=gamma, score_func="softmax"),
-}
+# The router logits of the forward running in this context: a list while a caller asked for
+# ``output_router_logits``, else None (a context variable, so concurrent forwards never mix).
+_ROUTER_LOGITS: ContextVar[list[torch.Tensor] | None] = ContextVar(
+    "moee_upcycled_router_logits", default=None
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +288,17 @@ class UpcycledExperts(nn.Module):
         ]
         return torch.cat(pieces) if pieces else x_sorted.new_zeros(0, self.d_model)
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        slot_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``y_n = sum_j weights[n, j] * E_{indices[n, j]}(x_n)`` over the real slots
+        (`moee.moe.layer.dispatch_combine`); called with the dispatch, like transformers' experts."""
+        return dispatch_combine(x, weights, indices, self, slot_mask)
+
     @torch.no_grad()
     def load_neurons(self, dense: DenseFFN, groups: list[torch.Tensor]) -> None:
         """Expert ``e`` gets the neurons ``groups[e]`` (indices into ``d_ff``) of ``dense``."""
@@ -317,6 +328,9 @@ class UpcycledMoEFFN(nn.Module):
     ``routed`` sums the selected experts (``split``: weight 1 each, straight-through gate gradient)
     or averages them with the renormalised top-k gate values (``copy``). With a copied shared
     expert (``copy``) both halves are scaled by 1/2 so the output still equals the dense FFN.
+    ``gate`` is a gate of `moee.moe.gate_registry.GATES` (``build_gate(config)``) named by
+    ``router_type``; gates that select a variable number of experts per token pad their slots,
+    and only the real ones are computed.
     """
 
     def __init__(
@@ -332,17 +346,16 @@ class UpcycledMoEFFN(nn.Module):
         gated: bool,
         bias_in: bool,
         bias_out: bool,
+        gate: nn.Module,
+        router_type: str,
         dropout: nn.Module | None = None,
-        router: str = "top_k",
-        bias_gamma: float = 1e-3,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if router not in ROUTERS:
-            raise ValueError(f"router must be one of {tuple(ROUTERS)}, got {router!r}")
         self.mode = mode
-        self.router = MoEERouter(ROUTERS[router](d_model, n_experts, top_k, bias_gamma), n_experts, top_k)
+        self.router_type = gate_spec(router_type).name
+        self.router = MoEERouter(gate, n_experts, top_k)
         #: routing statistics of the last forward (`moee.moe.layer.routing_stats` + ``loss``), read
         #: by `MoEEUpcycledForCausalLM` into ``moe_aux`` for training loops
         self.last_aux: dict[str, torch.Tensor] | None = None
@@ -360,14 +373,17 @@ class UpcycledMoEFFN(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, weights, indices, gate_out = self.router(x)
+        logits, weights, indices, gate_out = self.router(x)
+        sink = _ROUTER_LOGITS.get()
+        if sink is not None:
+            sink.append(logits)
         aux = routing_stats(gate_out.probs, indices, self.router.num_experts, None, gate_out.mask)
         loss = gate_out.aux.get("loss")
         aux["loss"] = loss if loss is not None else x.new_zeros(())
         self.last_aux = aux
         if self.mode == "split":
             weights = weights - weights.detach() + 1.0  # value exactly 1, gradient of the gate
-        out = dispatch_combine(x, weights, indices, self.experts)
+        out = self.experts(x, weights, indices, gate_out.mask)
         if self.shared is not None:
             out = out + self.shared.expert_forward(0, x)
         if self.mix != 1.0:
@@ -387,7 +403,8 @@ class UpcycledMoEFFN(nn.Module):
         router_weight: torch.Tensor,
     ) -> None:
         """Fill the experts from ``dense``: expert ``e`` gets neurons ``groups[e]``, the shared expert
-        ``shared``; ``router_weight [E, d]`` becomes the gate's projection."""
+        ``shared``; ``router_weight [E, d]`` (a row per expert) starts the gate
+        (`moee.moe.gate_registry.load_router_weight`)."""
         self.experts.load_neurons(dense, groups)
         if (shared is None) != (self.shared is None):
             raise ValueError("shared neurons given for a layer without a shared expert, or missing")
@@ -395,12 +412,7 @@ class UpcycledMoEFFN(nn.Module):
             self.shared.load_neurons(dense, [shared])
         if self.b_out is not None:
             self.b_out.copy_(dense.b_down)
-        gate = self.router.gate.w_gate
-        if router_weight.shape != gate.weight.shape:
-            raise ValueError(
-                f"router weight must be {tuple(gate.weight.shape)}, got {tuple(router_weight.shape)}"
-            )
-        gate.weight.copy_(router_weight)
+        load_router_weight(self.router_type, self.router.gate, router_weight)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,15 +420,18 @@ class UpcycledMoEFFN(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class MoEEUpcycledConfig(PreTrainedConfig):
+class MoEEUpcycledConfig(PreTrainedConfig, RouterFields):
     """Config of an upcycled model: the dense model's config (``text_config``) plus the MoE settings.
 
     ``upcycle_mode``: ``"split"`` (experts hold disjoint neuron slices of width
     ``expert_intermediate_size = (d_ff - shared_intermediate_size) / num_experts``) or ``"copy"``
     (every expert is the whole FFN). ``shared_intermediate_size``: width of the always-on shared
-    expert (0: none; in copy mode it is d_ff, a full copy). ``router_type``: a key of `ROUTERS`
-    (``router_bias_gamma`` is the loss-free bias step). ``router_init`` and ``upcycled_from``
-    record how the model was built (informational).
+    expert (0: none; in copy mode it is d_ff, a full copy). ``router_type``: a gate of
+    `moee.moe.gate_registry.GATES`, with its ``router_*`` fields (`RouterFields`; the same names
+    as `moee.moe.lm.MoEEConfig`). Upcycled routers default to no exploration noise, no balancing
+    losses and softmax scores for ``loss_free``: the dense model's computation is what is kept.
+    An old name (``top_k``) is rewritten on load (`moee.moe.gate_registry.ALIASES`).
+    ``router_init`` and ``upcycled_from`` record how the model was built (informational).
     """
 
     model_type = "moee_upcycled"
@@ -429,20 +444,22 @@ class MoEEUpcycledConfig(PreTrainedConfig):
     expert_intermediate_size: int = 0  # 0: derived from text_config and the mode
     shared_intermediate_size: int = 0
     router_init: str = "random"
-    router_type: str = "top_k"
-    router_bias_gamma: float = 1e-3
+    router_noisy: bool = False
+    router_w_importance: float = 0.0
+    router_w_load: float = 0.0
+    router_score_func: str = "softmax"
     upcycled_from: str | None = None
+    output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         if self.upcycle_mode not in MODES:
             raise ValueError(f"upcycle_mode must be one of {MODES}, got {self.upcycle_mode!r}")
-        if self.router_type not in ROUTERS:
-            raise ValueError(f"router_type must be one of {tuple(ROUTERS)}, got {self.router_type!r}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
             )
+        resolve_router(self)
         family_rule(self.text_config.model_type)
         if not self.expert_intermediate_size:  # derive it: the config alone describes the model
             d_ff = dense_ffn_width(self.text_config)
@@ -462,6 +479,11 @@ class MoEEUpcycledConfig(PreTrainedConfig):
     @property
     def num_hidden_layers(self) -> int:
         return int(self.text_config.num_hidden_layers)
+
+    @property
+    def initializer_range(self) -> float:
+        """The dense model's init std (what a gate built without upcycled weights draws from)."""
+        return float(getattr(self.text_config, "initializer_range", 0.02))
 
 
 def dense_ffn_width(config: PreTrainedConfig) -> int:
@@ -514,8 +536,8 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
                     bias_in=ffn.b_act is not None or ffn.b_up is not None,
                     bias_out=ffn.b_down is not None,
                     dropout=ffn.dropout,
-                    router=config.router_type,
-                    bias_gamma=config.router_bias_gamma,
+                    gate=build_gate(config),
+                    router_type=config.router_type,
                 ),
             )
         self.post_init()
@@ -542,11 +564,37 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
         return
 
 
+def _run_recording(model: MoEEUpcycledPreTrainedModel, forward: Callable, args: tuple, kwargs: dict):
+    """``forward(*args, **kwargs)`` (``output_router_logits`` taken out of ``kwargs``: the dense
+    model has no such option), and the router logits of its MoE layers, in layer order, when
+    ``output_router_logits`` (the argument, else the config's) asks for them, else ``None``."""
+    wanted = kwargs.pop("output_router_logits", None)
+    if wanted is None:
+        wanted = model.config.output_router_logits
+    if not wanted:
+        return forward(*args, **kwargs), None
+    sink: list[torch.Tensor] = []
+    token = _ROUTER_LOGITS.set(sink)
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        _ROUTER_LOGITS.reset(token)
+    return out, tuple(sink)
+
+
 class MoEEUpcycledModel(MoEEUpcycledPreTrainedModel):
-    """`AutoModel` class: the base model's forward (``last_hidden_state``), like ``AutoModel`` of the dense model."""
+    """`AutoModel` class: the base model's forward (``last_hidden_state``), like ``AutoModel`` of the dense model.
+
+    ``output_router_logits=True`` adds ``router_logits`` (one ``[tokens, num_experts]`` tensor per
+    MoE layer) to the base model's output."""
 
     def forward(self, *args, **kwargs):
-        return self.base_model(*args, **kwargs)
+        if kwargs.get("return_dict") is False:
+            raise ValueError("MoEEUpcycledModel returns a ModelOutput; return_dict=False is not supported")
+        out, router_logits = _run_recording(self, self.base_model, args, kwargs)
+        if router_logits is not None:
+            out["router_logits"] = router_logits
+        return out
 
 
 class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
@@ -559,6 +607,7 @@ class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
                 f"an upcycled {model_type} is an encoder, not a causal LM: load it with AutoModel "
                 "(or upcycle it with causal=True)"
             )
+        gate_spec(config.router_type).warn_if_leaky(stacklevel=2)  # expert choice looks ahead
         super().__init__(config, dense)
 
     def get_output_embeddings(self) -> nn.Module:
@@ -573,12 +622,14 @@ class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
     def forward(self, *args, **kwargs) -> MoEECausalLMOutput:
         """The dense causal LM's forward, plus what moee's trainer reads: ``moe_aux`` (each MoE
         layer's routing statistics) and ``aux_loss`` (the gates' balancing losses, added to
-        ``loss`` when ``labels`` are given; 0 for the top-k and loss-free routers)."""
+        ``loss`` when ``labels`` are given; 0 for gates without one), and with
+        ``output_router_logits=True`` (or the config's) ``router_logits``: one ``[tokens,
+        num_experts]`` tensor per MoE layer, as transformers' MoE models return them."""
         if kwargs.get("return_dict") is False:
             raise ValueError(
                 "MoEEUpcycledForCausalLM returns a ModelOutput; return_dict=False is not supported"
             )
-        out = self.model(*args, **kwargs)
+        out, router_logits = _run_recording(self, self.model, args, kwargs)
         moe_aux = tuple(f.last_aux for f in self.moe_ffns() if f.last_aux is not None)
         aux_loss = torch.stack([a["loss"] for a in moe_aux]).sum() if moe_aux else out.logits.new_zeros(())
         lm_loss = out.loss
@@ -590,6 +641,7 @@ class MoEEUpcycledForCausalLM(MoEEUpcycledPreTrainedModel, GenerationMixin):
             past_key_values=getattr(out, "past_key_values", None),
             hidden_states=getattr(out, "hidden_states", None),
             attentions=getattr(out, "attentions", None),
+            router_logits=router_logits,
             moe_aux=moe_aux,
         )
 

@@ -569,7 +569,9 @@ def checkpoint_step(spec: str) -> int | None:
     """The training step of a checkpoint: ``trainer_state.json``'s ``step`` of a moee checkpoint
     directory, else a ``step<N>`` / ``step_<N>`` in its last path part or revision (as in OLMoE's
     ``stepNNNN-tokensNB`` revisions), else ``None``."""
-    path, _, revision = _split_revision(spec)
+    from moee.loading import split_revision
+
+    path, revision = split_revision(spec)
     state = Path(path) / "trainer_state.json"
     if state.is_file():
         try:
@@ -582,60 +584,16 @@ def checkpoint_step(spec: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _split_revision(spec: str) -> tuple[str, str, str | None]:
-    """``name@revision`` -> (name, "@", revision); a local path (even one holding ``@``) stays whole."""
-    if Path(spec).expanduser().exists() or "@" not in spec:
-        return spec, "", None
-    name, sep, revision = spec.rpartition("@")
-    return name, sep, revision or None
-
-
 def load_embedder(spec: str, options=None, *, tokenizer=None):
-    """A ``MoEEmbedder`` of a model path, Hub id or ``name@revision``. Its tokenizer is the model's
-    own, else the one a moee training checkpoint names (``trainer_state.json`` ->
-    ``config.data.tokenizer``), else ``tokenizer`` (checkpoints of one run share it)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    import moee.moe.lm  # noqa: F401  (registers the moee model types)
-    import moee.moe.upcycled  # noqa: F401
+    """A ``MoEEmbedder`` of a model path, training checkpoint, Hub id or ``name@revision``, loaded by
+    :func:`moee.loading.load_model` (its tokenizer: ``options.tokenizer``, the model's own, or the one
+    a training checkpoint's run names); ``tokenizer`` (a loaded tokenizer: checkpoints of one run
+    share it) when the model has none of these."""
     from moee.embed.embedder import MoEEmbedder
-    from moee.loading import LoadOptions, load_causal_lm
+    from moee.loading import load_model
 
-    options = options or LoadOptions()
-    name, _, revision = _split_revision(spec)
-    extra = {"revision": revision} if revision else {}
-    model = load_causal_lm(
-        name,
-        trust_remote_code=options.trust_remote_code,
-        allow_pickle_weights=options.allow_pickle_weights,
-        **options.hf_kwargs(),
-        **extra,
-    )
-    if options.device_map is None:
-        model.to(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    candidates = [name]
-    state = Path(name) / "trainer_state.json"
-    if state.is_file():
-        named = ((json.loads(state.read_text()).get("config") or {}).get("data") or {}).get("tokenizer")
-        if named:
-            candidates.append(named)
-    tok = None
-    for candidate in candidates:
-        try:
-            tok = AutoTokenizer.from_pretrained(
-                candidate, trust_remote_code=options.trust_remote_code, **extra
-            )
-            break
-        except (OSError, ValueError, TypeError):
-            continue
-    if tok is None:
-        if tokenizer is None:
-            raise FileNotFoundError(
-                f"checkpoint {spec!r} has no tokenizer; pass --model with the run's tokenizer"
-            )
-        tok = tokenizer
-    return MoEEmbedder(model, tok, name_or_path=spec)
+    loaded = load_model(spec, options, fallback_tokenizer=tokenizer)
+    return MoEEmbedder(loaded.model, loaded.tokenizer, name_or_path=spec)
 
 
 def saturation_section(
