@@ -114,6 +114,8 @@ def test_a_hub_repository_is_read_through_the_cache_offline(tmp_path, monkeypatc
     assert load_model_config("someone/tiny-moe", cache_dir=tmp_path) == OWN
     assert load_model_config("someone/tiny-moe", cache_dir=tmp_path, local_only=True) is None
     assert load_model_config("someone/other-moe", cache_dir=tmp_path) is None  # not in the repo: none
+    with pytest.raises(FileNotFoundError, match="model directory './nowhere' not found"):
+        load_model_config("./nowhere")  # a local path, named as one (not as a malformed Hub id)
 
 
 def test_the_bundled_model_carries_its_configuration():

@@ -512,6 +512,10 @@ def _model_file(name_or_path: str | PathLike, filename: str, *, local_only: bool
         return None
     from transformers.utils import cached_file
 
+    from moee.loading import check_model_source
+
+    check_model_source(name_or_path)  # a local path that does not exist: named as such, not as a Hub id
+
     found = cached_file(
         str(name_or_path),
         filename,
