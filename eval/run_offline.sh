@@ -7,7 +7,8 @@
 # Fully offline, CPU only: about 8 minutes per pooling on 2 shared cores (the 8 MoE configurations;
 # the baseline adds 1.5 min; much longer while other jobs load the machine).
 # Finished (configuration, task) pairs are cached under the output folder, so an interrupted run
-# resumes where it stopped.
+# resumes where it stopped. Every configuration flag is explicit: a flag left out would take the
+# model's saved configuration (moee/assets/default-model/moee_embedding.json).
 #
 #   eval/run_offline.sh [OUT_DIR [MEAN_OUT_DIR]]  (default: eval/results/offline, eval/results/offline_mean)
 set -euo pipefail
@@ -26,6 +27,7 @@ exec python -m moee.cli evaluate \
   --tasks offline \
   --methods hs,rw,moee_concat,moee_sum \
   --prompts none,prompteol \
+  --pooling last \
   --alpha auto --alpha-rule spearman \
   --baseline \
   --alpha-sensitivity \

@@ -43,8 +43,10 @@ run() {  # run NAME [moee evaluate flags...]: one variant, all four methods, its
   local name="$1"; shift
   echo "+ [$name] moee evaluate $*" >&2
   local start=$SECONDS
+  # --pooling last unless the variant says otherwise: the table compares against the paper's pooling,
+  # whatever the model's saved configuration is (a later flag of the variant overrides it)
   "$PY" -m moee.cli evaluate "${MODEL_ARGS[@]}" --tasks "$TASKS" --methods hs,rw,moee_concat,moee_sum \
-    --alpha auto --out "$OUT" "$@"
+    --alpha auto --pooling last --out "$OUT" "$@"
   "$PY" - "$OUT" "$name" "$((SECONDS - start))" <<'PYEOF'
 import json, sys
 from pathlib import Path
@@ -67,7 +69,7 @@ run rw_layers --rw-layers="$RW_LAYERS" --prompts prompteol
 REF_CORPUS="${REF_CORPUS:-build/corpus/heldout.jsonl}"
 if [ -f "$REF_CORPUS" ]; then
   REF="$OUT/reference-prompteol"
-  "$PY" -m moee.cli fit-reference "$REF_CORPUS" --out "$REF" --prompt prompteol --max-texts "${REF_TEXTS:-400}" \
+  "$PY" -m moee.cli fit-reference "$REF_CORPUS" --out "$REF" --prompt prompteol --pooling last --max-texts "${REF_TEXTS:-400}" \
     "${MODEL_ARGS[@]}"
   run reference --reference "$REF.safetensors" --prompts prompteol
 else

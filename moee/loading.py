@@ -13,8 +13,10 @@ knows the right answer: its accelerate hook's ``execution_device`` is where toke
 up, which is where ``input_ids``/``attention_mask`` must go.
 
 :class:`LoadOptions` is the one set of loading options (device, dtype, device_map, 4-bit,
-remote code, pickle weights, tokenizer): :func:`add_loading_arguments` gives every command the same
-flags, :meth:`LoadOptions.from_args` reads them back, and :func:`load_model` is the one loader every
+remote code, pickle weights, tokenizer): each field declares its command-line flag beside itself
+(``metadata``; ``moee.cli_options`` builds the flags from the fields, so a new option is one field
+with its metadata), :func:`add_loading_arguments` gives every command the same flags,
+:meth:`LoadOptions.from_args` reads them back, and :func:`load_model` is the one loader every
 command, ``MoEEmbedder.from_pretrained`` and the trainer's ``init.from`` reach. It registers every
 model type moee defines (``moee.models.register_models``), reads ``name@revision``, loads the
 weights with :func:`load_causal_lm`, places them, and finds the tokenizer (:func:`tokenizer_source`):
@@ -26,7 +28,7 @@ with; an error names what is missing when none is found.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -62,13 +64,45 @@ class LoadOptions:
     Frozen and checked on construction; :meth:`hf_kwargs` turns it into transformers keywords.
     """
 
-    device: str | None = None
-    dtype: str | None = None
-    device_map: str | None = None
-    load_in_4bit: bool = False
-    trust_remote_code: bool = False
-    allow_pickle_weights: bool = False
-    tokenizer: str | None = None
+    device: str | None = field(
+        default=None, metadata={"help": "e.g. cpu, cuda, cuda:1", "default_text": "cuda if available"}
+    )
+    dtype: str | None = field(
+        default=None, metadata={"help": "weights dtype", "choices": DTYPES, "default_text": "the model's"}
+    )
+    device_map: str | None = field(
+        default=None,
+        metadata={
+            "help": "transformers device_map, e.g. auto: spread a large model over GPUs/CPU (instead of --device)"
+        },
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'; needs a GPU), as in the paper"
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "allow custom modeling code from the model repository (off by default: it runs arbitrary code)"
+        },
+    )
+    allow_pickle_weights: bool = field(
+        default=False,
+        metadata={
+            "flag": "--allow-bin",
+            "help": "also load pickled .bin weights (off by default: unpickling can run code; safetensors only)",
+        },
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "DIR_OR_ID",
+            "help": "tokenizer directory or Hub id",
+            "default_text": "the model's own; for a training checkpoint, the one its run was trained with",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -79,15 +113,9 @@ class LoadOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoadOptions:
         """The options of :func:`add_loading_arguments` from parsed arguments."""
-        return cls(
-            device=args.device,
-            dtype=args.dtype,
-            device_map=args.device_map,
-            load_in_4bit=args.load_in_4bit,
-            trust_remote_code=args.trust_remote_code,
-            allow_pickle_weights=args.allow_bin,
-            tokenizer=getattr(args, "tokenizer", None),
-        )
+        from moee.cli_options import load_options
+
+        return load_options(args)
 
     def replace(self, **changes: Any) -> LoadOptions:
         """A copy with ``changes`` (checked again)."""
@@ -117,41 +145,11 @@ class LoadOptions:
 
 
 def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
-    """The model-loading flags of every command (read back with :meth:`LoadOptions.from_args`);
-    ``model=True`` also adds ``--model``."""
-    if model:
-        parser.add_argument(
-            "--model", default=None, help="model name or local path (default: the bundled default model)"
-        )
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default: the model's)")
-    parser.add_argument(
-        "--device-map",
-        default=None,
-        help="transformers device_map, e.g. auto: spread a large model over GPUs/CPU (instead of --device)",
-    )
-    parser.add_argument(
-        "--load-in-4bit",
-        action="store_true",
-        help="4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'; needs a GPU), as in the paper",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow custom modeling code from the model repository (off by default: it runs arbitrary code)",
-    )
-    parser.add_argument(
-        "--allow-bin",
-        action="store_true",
-        help="also load pickled .bin weights (off by default: unpickling can run code; safetensors only)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="DIR_OR_ID",
-        help="tokenizer directory or Hub id (default: the model's own; for a training checkpoint, "
-        "the one its run was trained with)",
-    )
+    """The model-loading flags of every command, one per :class:`LoadOptions` field (read back with
+    :meth:`LoadOptions.from_args`); ``model=True`` also adds ``--model``."""
+    from moee.cli_options import add_loading_arguments as add
+
+    add(parser, model=model)
 
 
 def four_bit_config() -> Any:

@@ -325,3 +325,27 @@ def test_search_output_escapes_control_characters(tmp_path, tiny_model_dir, caps
     assert "red \\x1b[31malert" in out
     assert main([*argv, "--json"]) == 0  # JSON escapes them itself, and keeps the text exact
     assert json.loads(capsys.readouterr().out)["results"][0]["text"] == nasty
+
+
+def test_search_embeds_queries_with_every_recorded_field(tmp_path, corpus, tiny_model_dir, capsys):
+    """The recipe options are part of the recorded configuration: a corpus text used as the query
+    finds itself with similarity 1 (a query embedded without the recipe would not)."""
+    emb = tmp_path / "echo.npy"
+    flags = ["--method", "hs", "--recipe", "echo", "--hs-layer", "0", "--pooling", "mean"]
+    assert main(["embed", str(corpus), "--model", tiny_model_dir, "--out", str(emb), *flags]) == 0
+    capsys.readouterr()
+    argv = [
+        "search",
+        "--embeddings",
+        str(emb),
+        "--texts",
+        str(corpus),
+        "--query",
+        TEXTS[1],
+        "-k",
+        "1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    hit = json.loads(capsys.readouterr().out)["results"][0]
+    assert hit["id"] == 1 and hit["score"] == pytest.approx(1.0, abs=1e-5)

@@ -43,7 +43,8 @@ def _old_experiment_kwargs(method, pooling, prompt, score, alpha):
 
 @pytest.mark.parametrize("score", ["native", "softmax"])
 def test_the_evaluation_grid_keeps_its_result_folder_names(tmp_path, score):
-    settings = EvalSettings(score=score)  # the defaults of `moee evaluate` (alpha auto, two prompts)
+    # the grid of eval/run_offline.sh (alpha auto, two prompts), on a model without a saved configuration
+    settings = EvalSettings(prompts=[None, "prompteol"], config={"score": score, "alpha": "auto"})
     fake = SimpleNamespace(name_or_path="default-model", hidden_size=6, n_moe_layers=2, n_experts=4)
     cache = mteb.ResultCache(tmp_path)
     folders, old_folders = set(), set()
@@ -52,8 +53,8 @@ def test_the_evaluation_grid_keeps_its_result_folder_names(tmp_path, score):
             encoder = _moee_encoder(fake, "cfaf9dc3f17e", settings, prompt, None, method)
             path = cache.get_task_result_path("lee_sts", encoder.mteb_model_meta)
             folders.add(path.parent.name)
-            alpha = settings.alpha if method == "moee_sum" else 1.0
-            old = _old_experiment_kwargs(method, settings.pooling, prompt, score, alpha)
+            alpha = "auto" if method == "moee_sum" else 1.0
+            old = _old_experiment_kwargs(method, "last", prompt, score, alpha)
             assert encoder.mteb_model_meta.experiment_kwargs == old
             assert list(encoder.mteb_model_meta.experiment_kwargs) == list(old)  # key order too
             meta = mteb.models.ModelMeta.create_empty(

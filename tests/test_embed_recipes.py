@@ -14,12 +14,11 @@ from moee.capture import supported_architectures
 from moee.capture.registry import _decoder_layers
 from moee.capture.tiny import tiny_config, tiny_model, tiny_tokenizer
 from moee.embed.config import EmbeddingConfig
-from moee.embed.embedder import DEFAULT_MODEL_DIR, MoEEmbedder, default_config
+from moee.embed.embedder import MoEEmbedder
 from moee.embed.methods import METHODS
 from moee.embed.prompts import PROMPTEOL, STABILITY_PROMPTS, prepare_text, render_prompt
 from moee.embed.recipes import (
     ECHO_PREFIX,
-    MODEL_DEFAULTS,
     RECIPE_NAMES,
     TokenPrepending,
     parse_hs_layer,
@@ -379,12 +378,8 @@ def test_paper_configuration_is_one_call():
     )
 
 
-def test_the_bundled_model_default_comes_from_the_one_table(monkeypatch, emb):
-    assert default_config(None) == EmbeddingConfig(**MODEL_DEFAULTS["bundled"])
-    monkeypatch.setitem(MODEL_DEFAULTS, "bundled", {"recipe": "echo", "method": "hs"})
-    assert default_config(str(DEFAULT_MODEL_DIR)) == EmbeddingConfig(recipe="echo", method="hs")
-    assert default_config("someone/else") == EmbeddingConfig()
-    monkeypatch.setattr(emb, "default_config", EmbeddingConfig(recipe="echo", method="hs"))
+def test_a_keyword_given_overrides_only_itself_over_the_models_configuration(monkeypatch, emb):
+    monkeypatch.setattr(emb, "model_config", EmbeddingConfig(recipe="echo", method="hs"))
     np.testing.assert_allclose(
         emb.encode(TEXTS), emb.encode(TEXTS, config=EmbeddingConfig(recipe="echo", method="hs"))
     )

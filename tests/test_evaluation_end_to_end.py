@@ -200,7 +200,7 @@ def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
     settings = EvalSettings(
         methods=("hs", "moee_sum"),
         prompts=(None,),
-        alpha="auto",
+        config={"alpha": "auto"},
         tasks="lee_sts,fortunes_clustering",
         out=tmp_path,
         baseline=False,
@@ -236,7 +236,7 @@ def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
     try:
         run_evaluation(settings, embedder=embedder, log=lambda m: None)
         assert calls == []
-        settings.alpha = 1.0  # a new MoEE(sum) configuration: only it is computed
+        settings.config = {"alpha": 1.0}  # a new MoEE(sum) configuration: only it is computed
         summary = run_evaluation(settings, embedder=embedder, log=lambda m: None)
         assert sum(calls) == 50 + 320  # each distinct text once
     finally:
@@ -257,10 +257,15 @@ def test_cli_paper_suite_offline_fails_with_a_clear_message(tmp_path, capsys, mo
 
 @pytest.mark.slow
 def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsys, monkeypatch):
-    """`moee quickstart` on a saved tiny model: embeddings, quick suite, tables, report, paths."""
+    """`moee quickstart` on a saved tiny model: embeddings, quick suite, tables, report, paths, all
+    under the model's saved configuration."""
+    from moee.embed.config import EmbeddingConfig
+
     model_dir = tmp_path / "tiny-model"
-    embedder.model.save_pretrained(model_dir)
-    embedder.tokenizer.save_pretrained(model_dir)
+    own = MoEEmbedder(
+        embedder.model, embedder.tokenizer, model_config=EmbeddingConfig(pooling="mean", prompt="prompteol")
+    )
+    own.save_pretrained(model_dir)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "qs"
     code = cli_main(
@@ -273,6 +278,7 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
         sidecar = json.loads((out / "embeddings" / f"{method}.npy.json").read_text())
         assert vectors.shape[0] == len(json.loads((out / "embeddings" / "texts.json").read_text())["rows"])
         assert sidecar["method"] == method and sidecar["prompt"] == "prompteol"
+        assert sidecar["pooling"] == "mean"
     doc = json.loads((out / "mteb" / "tables.json").read_text())
     assert len(doc["systems"]) == 4 and {t["family"] for t in doc["tasks"]} == {
         "STS",
@@ -282,7 +288,7 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
         "Retrieval",
     }
     assert (out / "report" / "report.html").is_file()
-    assert "| MoEE sum + PromptEOL (alpha=auto) |" in printed.replace("moee/tiny-model | ", "")
+    assert "| MoEE sum + PromptEOL (alpha=auto, pooling=mean) |" in printed.replace("moee/tiny-model | ", "")
     assert str(out / "mteb" / "tables.md") in printed and "quickstart finished" in printed
 
 

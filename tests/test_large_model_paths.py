@@ -143,7 +143,7 @@ _HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 @pytest.mark.skipif(_HAS_BNB, reason="bitsandbytes is installed; the missing-extra error cannot be shown")
 def test_four_bit_without_bitsandbytes_names_the_extra():
-    from moee.commands.embed import four_bit_config
+    from moee.loading import four_bit_config
 
     with pytest.raises(ValueError, match=r"bitsandbytes.*moee\[quant\]"):
         four_bit_config()

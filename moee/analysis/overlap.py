@@ -257,6 +257,9 @@ def overlap_for_texts(
     return {
         "n_texts": len(texts),
         "prompt": trace.prompt,
+        # the paper's pooling, explicitly (not the model's configuration), recorded with the score
+        "pooling": "last",
+        "score": score,
         "rw_dim": int(trace.rw.shape[1] * trace.rw.shape[2]),
         "hs_dim": int(trace.hs.shape[1]),
         "n_gold_classes": None if labels is None else len(set(labels)),

@@ -142,6 +142,9 @@ def prompt_stability(
     out = {
         "n_pairs": int(len(idx)),
         "n_texts": len(texts),
+        # the paper's pooling, explicitly (not the model's configuration), recorded with the score
+        "pooling": "last",
+        "score": score,
         "prompts": dict(prompts),
         "names": names,
         "spearman": rho.round(6).tolist(),

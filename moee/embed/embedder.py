@@ -48,11 +48,17 @@ from torch import nn
 
 from moee.capture.recorder import RoutingRecorder
 from moee.capture.registry import backbone, find_routers
-from moee.embed.config import EmbeddingConfig, check_trace_settings
+from moee.embed.config import (
+    MODEL_DEFAULT,
+    EmbeddingConfig,
+    check_trace_settings,
+    load_model_config,
+    resolve_config,
+    save_model_config,
+)
 from moee.embed.methods import DEFAULT_SCORE, output_dim
 from moee.embed.prompts import resolve_prompt
 from moee.embed.recipes import (
-    MODEL_DEFAULTS,
     Tokenized,
     combine_features,
     recipe_hooks,
@@ -65,12 +71,13 @@ from moee.embed.validation import check_positive_int, check_texts
 if TYPE_CHECKING:
     from moee.loading import LoadOptions
 
-__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "default_config", "model_lock"]
+__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
 
 logger = logging.getLogger(__name__)
 
 #: The bundled default model (trained by ``scripts/train_default_model.sh``, exported by
-#: ``scripts/export_default_model.py``).
+#: ``scripts/export_default_model.py``); its embedding configuration is its own
+#: ``moee_embedding.json``, like any model folder's.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
 #: Inputs with more texts than this get a progress bar when ``show_progress_bar=None``.
@@ -135,26 +142,6 @@ class TokenRoutes:
     selection_returned: list[bool] | None = None
 
 
-class _ModelDefault:
-    """The default of ``encode``'s configuration keywords: the model's own default (:func:`default_config`)."""
-
-    def __repr__(self) -> str:
-        return "<model default>"
-
-
-MODEL_DEFAULT: Any = _ModelDefault()
-
-
-def default_config(name_or_path: str | Path | None) -> EmbeddingConfig:
-    """The configuration a model is embedded with when the caller sets none: its entry of
-    ``moee.embed.recipes.MODEL_DEFAULTS`` (``"bundled"`` is the bundled default model, found by its
-    directory), else :class:`EmbeddingConfig`'s defaults. ``EmbeddingConfig.paper()`` is the paper's."""
-    key = None if name_or_path is None else str(name_or_path)
-    if key is None or (Path(key).is_dir() and Path(key).resolve() == DEFAULT_MODEL_DIR.resolve()):
-        key = "bundled"
-    return EmbeddingConfig(**MODEL_DEFAULTS.get(key, {}))
-
-
 def _accepts(fn: Any, name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters
@@ -177,6 +164,11 @@ class MoEEmbedder:
     side is set to left); :meth:`from_pretrained` loads one. ``max_length`` defaults to the model's
     maximum length. Raises ``ValueError("no MoE router found in <ModelClass>")`` for a model
     without routers.
+
+    ``model_config`` is the model's own embedding configuration (``moee.embed.config``): by default
+    the ``moee_embedding.json`` of the model's local folder (``name_or_path``, else the model's
+    ``name_or_path``), ``None`` when it has none. Every keyword ``encode`` / ``trace`` leave out comes
+    from it, else from ``EmbeddingConfig()`` (:func:`moee.embed.config.resolve_config`).
     """
 
     def __init__(
@@ -186,6 +178,7 @@ class MoEEmbedder:
         *,
         max_length: int | None = None,
         name_or_path: str | None = None,
+        model_config: EmbeddingConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -219,10 +212,14 @@ class MoEEmbedder:
         self._pass_positions = _accepts(forward, "position_ids")
         self._pad_id = self._prepare_pad_token()
         self._empty_ids = self._empty_text_ids()
-        #: What ``encode`` uses for every configuration keyword the caller leaves out.
-        # the name the caller gave or the model's own path: a model passed without either is not
-        # the bundled one, so it gets EmbeddingConfig's defaults
-        self.default_config = default_config(self.name_or_path)
+        if model_config is not None and not isinstance(model_config, EmbeddingConfig):
+            raise TypeError(f"model_config must be an EmbeddingConfig, got {type(model_config).__name__}")
+        #: The configuration saved with the model (``None``: it has none); see :meth:`resolve_config`.
+        self.model_config = (
+            model_config
+            if model_config is not None
+            else load_model_config(self.name_or_path, local_only=True)
+        )
         self._digest: str | None = None
 
     # ------------------------------------------------------------------ loading
@@ -248,8 +245,10 @@ class MoEEmbedder:
 
         ``options`` (a :class:`moee.loading.LoadOptions`, what every CLI command passes) gives the
         device, dtype, device_map, 4-bit, remote-code, pickle and tokenizer choices in one object; it
-        cannot be combined with those keywords."""
-        from moee.loading import LoadOptions, load_model
+        cannot be combined with those keywords. The model's embedding configuration
+        (``moee_embedding.json``) comes from its folder or Hub repository
+        (:func:`moee.embed.config.load_model_config`)."""
+        from moee.loading import LoadOptions, load_model, split_revision
 
         if options is not None:
             given = [
@@ -282,7 +281,42 @@ class MoEEmbedder:
         if dtype is not None:
             hf_kwargs["dtype"] = dtype
         loaded = load_model(name_or_path, options, **hf_kwargs)
-        return cls(loaded.model, loaded.tokenizer, name_or_path=name_or_path)
+        name, revision = split_revision(name_or_path)
+        model_config = load_model_config(  # the model's own embedding configuration, also from the Hub
+            name, revision=hf_kwargs.get("revision", revision), cache_dir=hf_kwargs.get("cache_dir")
+        )
+        return cls(loaded.model, loaded.tokenizer, name_or_path=name_or_path, model_config=model_config)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write the model (safetensors), its tokenizer and its embedding configuration
+        (``moee_embedding.json``, with a reference copied beside it) to ``directory``; the folder
+        then loads with :meth:`from_pretrained` and embeds exactly like this embedder does with no
+        keyword given. Returns the folder."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        config = self.default_config
+        save_model_config(config, directory)
+        if config.reference is not None:
+            self._restamp_reference(directory / Path(config.reference).name)
+        return directory
+
+    def _restamp_reference(self, copied: Path) -> None:
+        """A reference copied by :meth:`save_pretrained` belongs to the saved folder's weights: it is
+        checked against this model's (the same tensors), then recorded under the folder's weights hash."""
+        import json
+        from types import SimpleNamespace
+
+        from moee.embed.reference import load_cached, reference_paths, weights_digest
+
+        config = self.default_config
+        load_cached(config.reference).check(self.weights_digest, config.feature_dict(), config.reference)
+        sidecar = reference_paths(copied)[1]
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        saved = weights_digest(SimpleNamespace(name_or_path=str(copied.parent)))
+        meta["model"] = {**meta.get("model", {}), "revision": saved}
+        sidecar.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     # ------------------------------------------------------------------ set-up helpers
     def _default_max_length(self, text_config) -> int:
@@ -344,6 +378,16 @@ class MoEEmbedder:
     def empty_ids(self) -> list[int]:
         """The ids an empty text becomes (see the module docstring)."""
         return list(self._empty_ids)
+
+    def resolve_config(self, **explicit: Any) -> EmbeddingConfig:
+        """The configuration of a call: the keywords given (not :data:`MODEL_DEFAULT`), else the
+        model's saved configuration, else ``EmbeddingConfig()`` (:func:`moee.embed.config.resolve_config`)."""
+        return resolve_config(self.model_config, **explicit)
+
+    @property
+    def default_config(self) -> EmbeddingConfig:
+        """What ``encode(texts)`` uses: the model's saved configuration, else ``EmbeddingConfig()``."""
+        return self.resolve_config()
 
     @property
     def weights_digest(self) -> str:
@@ -424,19 +468,27 @@ class MoEEmbedder:
         self,
         texts: Sequence[str],
         *,
-        pooling: str = "last",
-        prompt: str | None = None,
-        score: str = DEFAULT_SCORE,
+        pooling: str = MODEL_DEFAULT,
+        prompt: str | None = MODEL_DEFAULT,
+        score: str = MODEL_DEFAULT,
         hs_layers: bool = False,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
-        recipe: str | None = None,
+        recipe: str | None = MODEL_DEFAULT,
     ) -> RoutingTrace:
         """Pooled routing weights and hidden states of ``texts`` (rows in input order), under one
-        prompt and ``recipe`` (``None``, ``"echo"`` or ``"token_prepending"``, ``moee.embed.recipes``)."""
+        prompt and ``recipe`` (``None``, ``"echo"`` or ``"token_prepending"``, ``moee.embed.recipes``).
+        A keyword left out comes from the model's configuration (:meth:`resolve_config`); the result
+        records the values used. The layer choices and the reference apply later (:meth:`features`)."""
         texts = check_texts(texts)
-        template = check_trace_settings(pooling, prompt, score)
-        recipe_spec(recipe)
+        config = self.resolve_config(pooling=pooling, prompt=prompt, score=score, recipe=recipe)
+        if config.is_ensemble:
+            raise ValueError(
+                f"trace runs one prompt; the configuration's prompt is the ensemble {config.prompt_label!r}: "
+                "pass prompt= (or use features() for an ensemble)"
+            )
+        pooling, score, recipe = config.pooling, config.score, config.recipe
+        template = check_trace_settings(pooling, config.prompt_template, score)
         batch_size = check_positive_int("batch_size", batch_size)
         n = len(texts)
         rw = np.zeros((n, self.n_moe_layers, self.n_experts), dtype=np.float32)
@@ -517,8 +569,8 @@ class MoEEmbedder:
         ``"token_prepending"``; ``hs_layer`` a decoder layer or a range averaged; ``rw_layers`` MoE
         layers or ``{layer: weight}``; ``reference`` a file of :meth:`fit_reference`.
 
-        A keyword left out takes the model's default (:attr:`default_config`, which is
-        ``EmbeddingConfig()`` unless ``moee.embed.recipes.MODEL_DEFAULTS`` names one for the model).
+        A keyword left out comes from the model's saved configuration (:attr:`model_config`, its
+        folder's ``moee_embedding.json``), else from ``EmbeddingConfig()`` (:meth:`resolve_config`).
         Instead of these keywords, ``config`` may give them as one :class:`EmbeddingConfig`.
         """
         texts = check_texts(texts)
@@ -542,10 +594,10 @@ class MoEEmbedder:
         return combine_features(hs, rw, config.method, alpha=alpha, normalize=config.normalize)
 
     def _config(self, config: EmbeddingConfig | None, **keywords: Any) -> EmbeddingConfig:
-        """``config``, or the model's default with the keywords given (those not left at MODEL_DEFAULT)."""
+        """``config``, or the keywords given resolved against the model's configuration."""
         given = {k: v for k, v in keywords.items() if v is not MODEL_DEFAULT}
         if config is None:
-            return self.default_config.replace(**given)
+            return self.resolve_config(**given)
         if not isinstance(config, EmbeddingConfig):
             raise TypeError(f"config must be an EmbeddingConfig, got {type(config).__name__}")
         if given:
@@ -631,17 +683,22 @@ class MoEEmbedder:
         self,
         texts: Sequence[str],
         *,
-        prompt: str | None = None,
-        score: str = DEFAULT_SCORE,
+        prompt: str | None = MODEL_DEFAULT,
+        score: str = MODEL_DEFAULT,
         batch_size: int = 16,
     ) -> Iterator[TokenRoutes]:
-        """Token-level routes, one :class:`TokenRoutes` per text in input order.
+        """Token-level routes, one :class:`TokenRoutes` per text in input order; ``prompt`` and
+        ``score`` left out come from the model's configuration (:meth:`resolve_config`).
 
         Streaming: texts are tokenized and run one batch at a time, so memory is bounded by one
         batch (``[batch, T, L, E]``) whatever the number of texts.
         """
         texts = check_texts(texts)
-        template = check_trace_settings("last", prompt, score)
+        config = self.resolve_config(prompt=prompt, score=score)
+        if config.is_ensemble:
+            raise ValueError("token routes run one prompt; pass prompt= instead of an ensemble")
+        score = config.score
+        template = check_trace_settings("last", config.prompt_template, score)
         batch_size = check_positive_int("batch_size", batch_size)
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]

@@ -40,7 +40,6 @@ from moee.embed.prompts import PLACEHOLDER, STABILITY_PROMPTS, fit_prompts, rend
 
 __all__ = [
     "ECHO_PREFIX",
-    "MODEL_DEFAULTS",
     "PROMPT_SETS",
     "RECIPES",
     "RECIPE_NAMES",
@@ -60,19 +59,6 @@ __all__ = [
 #: The first copy of the text in echo embeddings (Springer et al. 2024's wording); the second copy,
 #: the one pooled, follows it: the text itself, or the text rendered with the prompt.
 ECHO_PREFIX = "Rewrite the sentence: {text}, rewritten sentence: "
-
-#: The embedding configuration (``EmbeddingConfig`` fields) a model is embedded with when the caller
-#: sets none: ``encode(texts)``, ``moee embed`` without configuration flags. ``"bundled"`` is the
-#: bundled default model (``moee/assets/default-model``); any other key is a model name or path as
-#: passed to ``from_pretrained``. This table is the one place a default recipe is declared; it is
-#: chosen from the recipe table of the offline suite (``eval/run_recipes.sh``, README). An empty
-#: entry is ``EmbeddingConfig()``'s defaults; the paper's configuration is ``EmbeddingConfig.paper()``
-#: (``--paper``).
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    # mean pooling, no prompt: the best recipe of every method on the bundled model
-    # (eval/results/recipes/recipes.md: Avg HS 49.14 vs 38.61 last-token; RW 44.14 vs 33.01)
-    "bundled": {"pooling": "mean"},
-}
 
 #: Named prompt ensembles: ``prompt="stability"`` is the paper's nine stability prompts, averaged.
 PROMPT_SETS: dict[str, tuple[str, ...]] = {"stability": tuple(STABILITY_PROMPTS)}

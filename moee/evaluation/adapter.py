@@ -35,8 +35,7 @@ import numpy as np
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 
-from moee.embed.config import AUTO_ALPHA, EmbeddingConfig
-from moee.embed.methods import DEFAULT_SCORE
+from moee.embed.config import AUTO_ALPHA, MODEL_DEFAULT, EmbeddingConfig, resolve_config
 from moee.embed.recipes import combine_features
 from moee.embed.reference import weights_digest as _weights_digest
 from moee.embed.validation import check_alpha, check_texts
@@ -79,6 +78,12 @@ def model_identity(embedder: Any) -> tuple[str, str]:
     return model_name(embedder), _weights_digest(embedder)
 
 
+def model_config_of(embedder: Any) -> EmbeddingConfig | None:
+    """The configuration saved with an embedder's model (``MoEEmbedder.model_config``; ``None`` for
+    an object that carries none)."""
+    return getattr(embedder, "model_config", None)
+
+
 def experiment_kwargs(
     method: str, pooling: str, prompt: str | None, score: str, alpha: float | str
 ) -> dict[str, Any]:
@@ -96,20 +101,23 @@ class TraceCache:
     need one pass per distinct text. Rows are stored per text, so the cache is independent
     of batch composition (embeddings never depend on the batch). The feature configuration is
     (pooling, prompt, score) plus the recipe options (``config=``: an ``EmbeddingConfig`` whose
-    method, alpha and normalize are ignored); features are kept per ensemble prompt.
+    method, alpha and normalize are ignored); features are kept per ensemble prompt. Keywords
+    left out come from the model's saved configuration (:func:`moee.embed.config.resolve_config`).
     """
 
     def __init__(
         self,
         embedder: Any,
         *,
-        pooling: str = "last",
-        prompt: str | None = None,
-        score: str = DEFAULT_SCORE,
+        pooling: str = MODEL_DEFAULT,
+        prompt: str | None = MODEL_DEFAULT,
+        score: str = MODEL_DEFAULT,
         config: EmbeddingConfig | None = None,
     ):
         if config is None:  # early: a typo must not become a literal prompt
-            config = EmbeddingConfig(pooling=pooling, prompt=prompt, score=score)
+            config = resolve_config(model_config_of(embedder), pooling=pooling, prompt=prompt, score=score)
+        elif any(v is not MODEL_DEFAULT for v in (pooling, prompt, score)):
+            raise TypeError("pass pooling, prompt and score inside config, not beside it")
         self.embedder = embedder
         self.config = config.replace(method="hs", alpha=1.0, normalize=True)
         self.pooling, self.prompt, self.score = config.pooling, config.prompt, config.score
@@ -179,8 +187,9 @@ class MoEEMTEBEncoder(AbsEncoder):
     ``alpha`` is a number, or ``"auto"`` together with ``alpha_by_task`` (task name -> weight,
     from ``moee.evaluation.alpha.choose_alpha``): the label-free weight is chosen per task from
     the task's own texts before evaluation, and ``"auto"`` (not the numbers) names the results.
-    ``config`` (an :class:`moee.embed.config.EmbeddingConfig`) may replace the five configuration
-    keywords; vectors are always normalised. ``trace_cache`` (optional) shares forward passes
+    The five configuration keywords left out come from the model's saved configuration, else the
+    library default (:func:`moee.embed.config.resolve_config`, the rule of ``encode``); ``config``
+    (an :class:`moee.embed.config.EmbeddingConfig`) may replace them. Vectors are always normalised. ``trace_cache`` (optional) shares forward passes
     between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when the caller already has it.
     """
 
@@ -190,11 +199,11 @@ class MoEEMTEBEncoder(AbsEncoder):
         revision: str | None = None,
         *,
         device: str | None = None,
-        method: str = "moee_sum",
-        pooling: str = "last",
-        prompt: str | None = None,
-        score: str = DEFAULT_SCORE,
-        alpha: float | str = 1.0,
+        method: str = MODEL_DEFAULT,
+        pooling: str = MODEL_DEFAULT,
+        prompt: str | None = MODEL_DEFAULT,
+        score: str = MODEL_DEFAULT,
+        alpha: float | str = MODEL_DEFAULT,
         alpha_by_task: Mapping[str, float] | None = None,
         trace_cache: TraceCache | None = None,
         config: EmbeddingConfig | None = None,
@@ -207,8 +216,12 @@ class MoEEMTEBEncoder(AbsEncoder):
         elif kwargs:
             raise TypeError(f"unexpected arguments for an already loaded embedder: {sorted(kwargs)}")
         self.model = embedder
+        keywords = {"method": method, "pooling": pooling, "prompt": prompt, "score": score, "alpha": alpha}
         if config is None:
-            config = EmbeddingConfig(method=method, pooling=pooling, prompt=prompt, score=score, alpha=alpha)
+            config = resolve_config(model_config_of(embedder), **keywords)
+        elif any(v is not MODEL_DEFAULT for v in keywords.values()):
+            given = sorted(k for k, v in keywords.items() if v is not MODEL_DEFAULT)
+            raise TypeError(f"pass {', '.join(given)} inside config, not beside it")
         self.config = config.replace(normalize=True)
         if config.alpha == AUTO_ALPHA:
             self.alpha_by_task = {k: check_alpha(v) for k, v in (alpha_by_task or {}).items()}

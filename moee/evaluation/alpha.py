@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import rankdata, spearmanr
 
-from moee.embed.methods import DEFAULT_SCORE
+from moee.embed.config import EmbeddingConfig, resolve_config
 from moee.embed.validation import check_choice, check_positive_int
 
 #: The alpha grid: 2^(k/4) for k = -16..16, i.e. 1/16 ... 16 with 1.0 in the middle.
@@ -209,10 +209,9 @@ def write_alpha_sensitivity(
     embedder: object,
     out_dir: str | Path,
     *,
-    prompts: Sequence[str | None] = (None, "prompteol"),
+    config: EmbeddingConfig | None = None,
+    prompts: Sequence[str | Sequence[str] | None] | None = None,
     task: str = "lee_sts",
-    pooling: str = "last",
-    score: str = DEFAULT_SCORE,
     batch_size: int = 32,
     seed: int = 0,
 ) -> dict[str, Path]:
@@ -220,7 +219,9 @@ def write_alpha_sensitivity(
 
     For every prompt: the task's Spearman (x100) for each alpha of ``ALPHA_GRID``, the HS-only
     and RW-only ends, and the alphas both label-free rules pick from the task's texts (with
-    the score each would get). Rerun with ``moee evaluate --alpha-sensitivity``.
+    the score each would get). The features are ``config``'s (pooling, score, recipe options; by
+    default the model's saved configuration, else the library's: ``resolve_config``) under each
+    of ``prompts`` (default: ``config``'s prompt). Rerun with ``moee evaluate --alpha-sensitivity``.
     """
     import json
 
@@ -230,7 +231,12 @@ def write_alpha_sensitivity(
     import matplotlib.pyplot as plt
 
     from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data
-    from moee.evaluation.adapter import TraceCache, model_identity
+    from moee.evaluation.adapter import TraceCache, model_config_of, model_identity
+
+    if config is None:
+        config = resolve_config(model_config_of(embedder))
+    if prompts is None:
+        prompts = [config.prompt]
 
     if OFFLINE_TASKS.get(task) is None or OFFLINE_TASKS[task].family != "STS":
         raise ValueError(f"{task!r} is not an offline STS task")
@@ -245,18 +251,18 @@ def write_alpha_sensitivity(
         "task": task,
         "model": name,
         "revision": revision,
-        "pooling": pooling,
-        "score": score,
+        "pooling": config.pooling,
+        "score": config.score,
+        "config": {k: v for k, v in config.to_dict().items() if k not in ("method", "alpha", "normalize")},
         "n_pairs": len(rows),
         "n_texts": len(texts),
         "prompts": {},
     }
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for k, prompt in enumerate(prompts):
-        label = prompt or "none"
-        hs, rw = TraceCache(embedder, pooling=pooling, prompt=prompt, score=score).get(
-            texts, batch_size=batch_size
-        )
+        cell = config.replace(prompt=prompt)
+        label = cell.prompt_label
+        hs, rw = TraceCache(embedder, config=cell).get(texts, batch_size=batch_size)
         c_h, c_r = pair_similarities(hs, rw, left, right)
         curve = alpha_sensitivity(c_h, c_r, gold)
         chosen = {}

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from moee.embed.config import EmbeddingConfig
-from moee.embed.methods import DEFAULT_SCORE, METHODS
+from moee.embed.config import EmbeddingConfig, resolve_config
+from moee.embed.methods import METHODS
 from moee.embed.validation import check_choice, check_positive_int
 from moee.evaluation.adapter import (
     AUTO_ALPHA,
@@ -42,6 +42,7 @@ from moee.evaluation.adapter import (
     TraceCache,
     baseline_revision,
     load_baseline_encoder,
+    model_config_of,
     model_identity,
     model_name,
 )
@@ -75,23 +76,23 @@ class TaskDataUnavailableError(RuntimeError):
 class EvalSettings:
     """Everything that defines an evaluation run (the CLI fills it from its flags).
 
-    ``methods`` x ``prompts`` with ``pooling``, ``score`` and ``alpha`` span the configurations
-    (:meth:`config`); a prompt may be a tuple (an ensemble) or ``"stability"``; ``recipe``,
-    ``hs_layer``, ``rw_layers`` and ``reference`` (``moee.embed.recipes``) apply to every
-    configuration and name its result folder; ``loading`` says how to load ``model`` (default: on
-    ``device``).
+    ``methods`` x ``prompts`` span the configurations; ``config`` holds the other configuration
+    fields given explicitly (pooling, score, alpha, the recipe options of ``moee.embed.recipes``);
+    every field not given comes from the model's saved configuration, else the library default
+    (:func:`moee.embed.config.resolve_config`, the rule of ``encode`` and ``moee embed``).
+    ``prompts=None`` is the resolved configuration's one prompt; a prompt may be a tuple (an
+    ensemble) or ``"stability"``. ``alpha="auto"`` (in ``config``) chooses the MoEE(sum) weight per
+    task without labels. ``loading`` says how to load ``model`` (default: on ``device``).
     """
 
     model: str | None = None
     methods: Sequence[str] = METHODS
-    prompts: Sequence[str | None] = (None, "prompteol")
-    alpha: float | str = AUTO_ALPHA
+    prompts: Sequence[str | Sequence[str] | None] | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
     alpha_rule: str = "spearman"
     tasks: str | Sequence[str] = "offline"
     out: Path = Path("eval/results/offline")
     baseline: bool = True
-    pooling: str = "last"
-    score: str = DEFAULT_SCORE
     batch_size: int = 32
     device: str | None = None
     overwrite: bool = False
@@ -99,37 +100,40 @@ class EvalSettings:
     command: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     loading: LoadOptions | None = None
-    recipe: str | None = None
-    hs_layer: Any = None
-    rw_layers: Any = None
-    reference: str | None = None
 
-    def config(self, method: str, prompt: str | Sequence[str] | None) -> EmbeddingConfig:
-        """The configuration of one (method, prompt) cell; alpha only where the method uses it."""
-        config = EmbeddingConfig(
-            method=method,
-            pooling=self.pooling,
-            prompt=prompt,
-            score=self.score,
-            recipe=self.recipe,
-            hs_layer=self.hs_layer,
-            rw_layers=self.rw_layers,
-            reference=self.reference,
+    def base_config(self, model_config: EmbeddingConfig | None = None) -> EmbeddingConfig:
+        """The resolved configuration every cell starts from (``model_config``: the model's saved one)."""
+        return resolve_config(model_config, **self.config)
+
+    def prompt_list(self, model_config: EmbeddingConfig | None = None) -> list[str | tuple[str, ...] | None]:
+        """The prompts evaluated: ``prompts``, else the resolved configuration's prompt."""
+        if self.prompts is None:
+            return [self.base_config(model_config).prompt]
+        return [resolve_config(None, prompt=p).prompt for p in self.prompts]
+
+    def cell_config(
+        self, method: str, prompt: str | Sequence[str] | None, model_config: EmbeddingConfig | None = None
+    ) -> EmbeddingConfig:
+        """The configuration of one (method, prompt) cell; the evaluation always normalises."""
+        return resolve_config(model_config, **{**self.config, "method": method, "prompt": prompt}).replace(
+            normalize=True
         )
-        return config.replace(alpha=self.alpha) if config.uses_alpha else config
 
     def load_options(self) -> LoadOptions:
         """How to load ``model``: ``loading``, else the defaults on ``device``."""
         return self.loading if self.loading is not None else LoadOptions(device=self.device)
 
-    def validate(self) -> None:
+    def validate(self, model_config: EmbeddingConfig | None = None) -> None:
+        """Check every cell (before the model loads: under the library defaults)."""
         if not self.methods:
             raise ValueError("methods must name at least one of: " + ", ".join(METHODS))
-        if not self.prompts:
+        if self.prompts is not None and not self.prompts:
             raise ValueError("prompts must name at least one prompt (use 'none' for no prompt)")
+        if isinstance(self.config, EmbeddingConfig) or not isinstance(self.config, Mapping):
+            raise TypeError("config must be a dict of the EmbeddingConfig fields given explicitly")
         for m in self.methods:
-            for p in self.prompts:
-                self.config(m, p).replace(alpha=self.alpha)
+            for p in self.prompt_list(model_config):
+                self.cell_config(m, p, model_config)
         check_choice("alpha rule", self.alpha_rule, ALPHA_RULES)
         check_positive_int("batch_size", self.batch_size)
 
@@ -318,13 +322,13 @@ def _moee_encoder(
     revision: str,
     settings: EvalSettings,
     prompt: str | None,
-    traces: TraceCache,
+    traces: TraceCache | None,
     method: str,
     alpha_by_task: dict[str, float] | None = None,
 ) -> MoEEMTEBEncoder:
     """The encoder of one configuration; alpha only matters (and is only recorded) where the
     method uses it."""
-    config = settings.config(method, prompt)
+    config = settings.cell_config(method, prompt, model_config_of(embedder))
     return MoEEMTEBEncoder(
         embedder,
         revision,
@@ -377,12 +381,20 @@ def run_evaluation(
 
         log(f"loading model {settings.model or '(bundled default)'} ...")
         embedder = MoEEmbedder.from_pretrained(settings.model, settings.load_options())
+    model_config = model_config_of(embedder)
+    settings.validate(model_config)
+    base = settings.base_config(model_config)
+    prompts = settings.prompt_list(model_config)
+    source = "the model's saved configuration" if model_config is not None else "the library defaults"
+    given = ", ".join(sorted(settings.config)) or "none"
+    shown = {k: v for k, v in base.experiment_kwargs().items() if k not in ("method", "prompt")}
+    log(f"configuration {shown} (given: {given}; the rest from {source})")
     cache = mteb.ResultCache(out)
     revision = model_identity(embedder)[1]
     alpha_path = out / "alpha_choices.json"
     # choices depend on the weights and on how RW/HS are pooled and scored: keyed by all of them
-    alpha_key = f"{model_name(embedder)}@{revision} pooling={settings.pooling} score={settings.score}"
-    recipe_part = settings.config("hs", None).recipe_label  # recipes change the features too
+    alpha_key = f"{model_name(embedder)}@{revision} pooling={base.pooling} score={base.score}"
+    recipe_part = base.recipe_label  # recipes change the features too
     if recipe_part:
         alpha_key += f" {recipe_part}"
     all_choices: dict[str, dict[str, dict[str, dict[str, Any]]]] = (
@@ -392,10 +404,10 @@ def run_evaluation(
         all_choices.pop(alpha_key, None)
     alpha_choices = all_choices.setdefault(alpha_key, {})
     timings: dict[str, float] = {}
-    auto = settings.alpha == AUTO_ALPHA
-    for prompt in settings.prompts:
-        prompt_name = settings.config("hs", prompt).prompt_label
-        traces = TraceCache(embedder, config=settings.config("hs", prompt))
+    auto = base.alpha == AUTO_ALPHA
+    for prompt in prompts:
+        prompt_name = settings.cell_config("hs", prompt, model_config).prompt_label
+        traces = TraceCache(embedder, config=settings.cell_config("hs", prompt, model_config))
         make = partial(_moee_encoder, embedder, revision, settings, prompt, traces)
         for task in tasks:
             name = task.metadata.name
@@ -407,7 +419,7 @@ def run_evaluation(
                 log(f"[{prompt_name}] {name}: all methods already in the cache")
                 continue
             alpha_by_task = None
-            if auto and any(settings.config(m, prompt).uses_alpha for m in pending):
+            if auto and any(settings.cell_config(m, prompt, model_config).uses_alpha for m in pending):
                 choice = alpha_choices.get(prompt_name, {}).get(name)
                 if choice is None or choice.get("rule") != settings.alpha_rule:
                     choice = choose_task_alphas(
@@ -455,17 +467,20 @@ def run_evaluation(
         "model_revision": revision,
         "model_training": _training_summary(embedder),
         "methods": list(settings.methods),
-        "prompts": [settings.config("hs", p).prompt_label for p in settings.prompts],
+        "prompts": [settings.cell_config("hs", p, model_config).prompt_label for p in prompts],
         **{
             k: v
-            for k, v in settings.config("hs", None).experiment_kwargs().items()
+            for k, v in base.experiment_kwargs().items()
             if k in ("recipe", "hs_layer", "rw_layers", "reference")
         },
-        "alpha": settings.alpha,
-        "alpha_rule": settings.alpha_rule if settings.alpha == AUTO_ALPHA else None,
+        "alpha": base.alpha,
+        "alpha_rule": settings.alpha_rule if base.alpha == AUTO_ALPHA else None,
         "alpha_choices": {p: {t: c["alpha"] for t, c in d.items()} for p, d in alpha_choices.items()},
-        "pooling": settings.pooling,
-        "score": settings.score,
+        "pooling": base.pooling,
+        "score": base.score,
+        # the resolution: the fields given, and the model's saved configuration the rest came from
+        "config_given": sorted(settings.config),
+        "model_config": model_config.to_dict() if model_config is not None else None,
         "tasks": [t.metadata.name for t in tasks],
         "versions": record["versions"],
         "git_revision": record["git_revision"],
@@ -489,4 +504,6 @@ def run_evaluation(
         "seconds": total,
         "embedder": embedder,
         "tasks": tasks,
+        "config": base,
+        "prompts": prompts,
     }

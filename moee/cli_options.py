@@ -1,0 +1,190 @@
+"""The command line's embedding and loading flags, built from the fields of ``EmbeddingConfig`` and
+``LoadOptions``: no command types a flag list.
+
+Each field declares its flag beside itself, in ``dataclasses.field(metadata=...)``:
+
+- ``help`` (required): what the flag does; the default is added to it;
+- ``choices``, ``type`` (flag text -> value), ``metavar``;
+- ``default_text``: how the library default reads in ``--help`` (else the default itself);
+- ``group``: a key of :data:`GROUPS` (e.g. the recipe flags);
+- ``flag``: the flag's name when it is not ``--field-name`` (``--allow-bin``).
+
+A bool embedding field becomes ``--<name>`` / ``--no-<name>``; a bool loading field whose default
+is false becomes ``--<name>`` (true: ``--no-<name>``). Adding an embedding option is one ``EmbeddingConfig`` field with this metadata: it
+becomes a flag of every embedding command (``moee embed``, ``fit-reference``, ``evaluate``; ``moee
+search`` embeds its queries with the configuration its corpus sidecar records), and
+:func:`explicit_config` reads it back.
+
+Embedding flags are absent unless given (``argparse.SUPPRESS``): :func:`explicit_config` holds only
+the flags given, so every other field comes from the model's saved configuration, else the library
+default (``moee.embed.config.resolve_config``), and ``--help`` says so. Loading flags default to
+their field's default (there is no per-model loading configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import MISSING, Field, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from moee.embed.config import PAPER_FIELDS, EmbeddingConfig, load_model_config, resolve_config
+from moee.loading import LoadOptions
+
+__all__ = [
+    "GROUPS",
+    "METADATA_KEYS",
+    "add_embedding_arguments",
+    "add_field_arguments",
+    "add_loading_arguments",
+    "embedding_config",
+    "explicit_config",
+    "load_from_args",
+    "load_options",
+    "make_encoder",
+    "model_config_of",
+]
+
+#: The metadata keys a field's flag may declare (others are an error: a typo must not vanish).
+METADATA_KEYS = frozenset({"help", "choices", "type", "metavar", "default_text", "group", "flag"})
+#: Argument groups fields may name (``group``), by their title in ``--help``.
+GROUPS = {"recipes": "recipes (docs/RECIPES.md)"}
+
+#: How the help of an embedding flag names its default.
+MODEL_DEFAULT_TEXT = "the model's saved configuration, else {}"
+
+PAPER_HELP = (
+    "the paper's configuration as explicit flags (MoEE sum, PromptEOL, last token, softmax scores) "
+    "instead of the model's; other flags given override it (evaluate: for every method of --methods)"
+)
+
+
+def _flag_name(f: Field, explicit: bool) -> str:
+    name = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    if f.type in (bool, "bool") and f.default is True and not explicit and "flag" not in f.metadata:
+        name = "--no-" + f.name.replace("_", "-")
+    return name
+
+
+def _default_text(f: Field) -> str:
+    if "default_text" in f.metadata:
+        return str(f.metadata["default_text"])
+    if f.type in (bool, "bool"):
+        return "on" if f.default else "off"
+    return str(f.default)
+
+
+def add_field_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    explicit: bool,
+    exclude: Mapping[str, str] | set[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """One flag per field of the dataclass ``cls`` (see the module docstring), except ``exclude``;
+    returns the field names added. ``explicit``: flags are absent unless given, and their help
+    names the model's saved configuration as the default."""
+    groups: dict[str, Any] = {}
+    added = []
+    for f in fields(cls):
+        if f.name in exclude:
+            continue
+        meta = dict(f.metadata)
+        unknown = set(meta) - METADATA_KEYS
+        if unknown or "help" not in meta:
+            raise TypeError(
+                f"{cls.__name__}.{f.name}: flag metadata needs 'help' and takes only "
+                f"{', '.join(sorted(METADATA_KEYS))}; got {', '.join(sorted(meta))}"
+            )
+        default = MODEL_DEFAULT_TEXT.format(_default_text(f)) if explicit else _default_text(f)
+        shown = explicit or "default_text" in meta
+        help_text = meta["help"] + (f" (default: {default})" if shown else "")
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
+        if f.type in (bool, "bool") and explicit:  # both ways: a model's False can be overridden too
+            kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        elif f.type in (bool, "bool"):
+            kwargs["action"] = "store_false" if f.default is True else "store_true"
+        else:
+            kwargs["default"] = argparse.SUPPRESS if explicit else _field_default(f)
+            for key in ("choices", "type", "metavar"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        target = parser
+        if "group" in meta:
+            title = GROUPS[meta["group"]]
+            target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        target.add_argument(_flag_name(f, explicit), **kwargs)
+        added.append(f.name)
+    return added
+
+
+def _field_default(f: Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None
+
+
+def add_embedding_arguments(
+    parser: argparse.ArgumentParser, *, exclude: Mapping[str, str] = {}, paper: bool = True
+) -> list[str]:
+    """The embedding-configuration flags, one per ``EmbeddingConfig`` field except ``exclude``
+    (field -> why the command takes it otherwise), plus ``--paper``; read with :func:`explicit_config`."""
+    added = add_field_arguments(parser, EmbeddingConfig, explicit=True, exclude=exclude)
+    if paper:
+        parser.add_argument("--paper", action="store_true", help=PAPER_HELP)
+    return added
+
+
+def explicit_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The embedding fields the command line gives: the flags given (``--paper``: the paper's
+    fields under them), nothing for the flags left out."""
+    given = {f.name: getattr(args, f.name) for f in fields(EmbeddingConfig) if f.name in vars(args)}
+    return {**PAPER_FIELDS, **given} if getattr(args, "paper", False) else given
+
+
+def model_config_of(model: str | Path | None) -> EmbeddingConfig | None:
+    """The saved configuration of ``--model`` (``None``: the bundled model), read without loading it."""
+    from moee.embed.embedder import DEFAULT_MODEL_DIR
+
+    return load_model_config(model if model is not None else DEFAULT_MODEL_DIR)
+
+
+def embedding_config(args: argparse.Namespace, **changes: Any) -> EmbeddingConfig:
+    """The configuration of a command: the flags given (and ``changes``), else the model's saved
+    configuration, else the library default (``moee.embed.config.resolve_config``)."""
+    return resolve_config(model_config_of(args.model), **{**explicit_config(args), **changes})
+
+
+# ---------------------------------------------------------------------------- loading
+def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
+    """The model-loading flags, one per ``LoadOptions`` field (read with :func:`load_options`);
+    ``model=True`` also adds ``--model``."""
+    if model:
+        parser.add_argument(
+            "--model", default=None, help="model name or local path (default: the bundled default model)"
+        )
+    add_field_arguments(parser, LoadOptions, explicit=False)
+
+
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    """The :class:`LoadOptions` of :func:`add_loading_arguments`'s flags."""
+    return LoadOptions(**{f.name: getattr(args, f.name) for f in fields(LoadOptions)})
+
+
+def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:
+    """The model of ``--model`` loaded with the loading flags (``changes`` override some of them,
+    e.g. the device of a shard)."""
+    from moee.embed.embedder import MoEEmbedder
+
+    return MoEEmbedder.from_pretrained(args.model, load_options(args).replace(**changes))
+
+
+def make_encoder(embedder: Any, config: EmbeddingConfig | Mapping[str, Any], batch_size: int):
+    """``texts -> float32 [n, dim]`` with a recorded configuration (`moee embed`, `moee search`)."""
+    if not isinstance(config, EmbeddingConfig):
+        config = EmbeddingConfig.from_dict(config)
+    return partial(embedder.encode, config=config, batch_size=batch_size, show_progress_bar=False)
