@@ -50,7 +50,7 @@ def test_the_evaluation_grid_keeps_its_result_folder_names(tmp_path, score):
     folders, old_folders = set(), set()
     for prompt in settings.prompts:
         for method in settings.methods:
-            encoder = _moee_encoder(fake, "cfaf9dc3f17e", settings, prompt, None, method)
+            encoder = _moee_encoder(fake, "cfaf9dc3f17e", settings.cell_config(method, prompt), None)
             path = cache.get_task_result_path("lee_sts", encoder.mteb_model_meta)
             folders.add(path.parent.name)
             alpha = "auto" if method == "moee_sum" else 1.0
@@ -176,3 +176,25 @@ def test_encode_takes_a_config_or_its_keywords(embedder):
         embedder.encode(texts, method="hs", config=config)
     with pytest.raises(ValueError, match="alpha='auto'"):
         embedder.encode(texts, config=EmbeddingConfig(alpha="auto"))
+
+
+def test_extra_cells_are_resolved_beside_the_grid():
+    """`extra_cells` adds whole configurations (the paper's beside the model's own) to the methods x
+    prompts grid, each resolved by the same rule; repeats are dropped, a cell without a method is refused."""
+    from moee.embed.config import PAPER_FIELDS
+
+    own = EmbeddingConfig(pooling="mean")
+    settings = EvalSettings(
+        methods=["hs", "moee_sum"],
+        config={"alpha": "auto"},
+        extra_cells=[{**PAPER_FIELDS, "alpha": "auto"}, {"method": "hs"}],
+    )
+    cells = settings.cells(own)
+    assert [(c.method, c.pooling, c.prompt, c.score) for c in cells] == [
+        ("hs", "mean", None, "native"),
+        ("moee_sum", "mean", None, "native"),
+        ("moee_sum", "last", "prompteol", "softmax"),
+    ]
+    assert cells[1].alpha == cells[2].alpha == "auto"
+    with pytest.raises(TypeError, match="with a method"):
+        EvalSettings(extra_cells=[{"pooling": "last"}]).cells(own)

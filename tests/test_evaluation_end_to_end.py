@@ -267,12 +267,27 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
     )
     own.save_pretrained(model_dir)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    forwards: dict[tuple, list[str]] = {}  # feature configuration -> every text the model ran on
+    features = MoEEmbedder.features
+
+    def counting(self, texts, config, **kwargs):
+        forwards.setdefault(config.feature_key(), []).extend(texts)
+        return features(self, texts, config, **kwargs)
+
+    monkeypatch.setattr(MoEEmbedder, "features", counting)
     out = tmp_path / "qs"
     code = cli_main(
         ["quickstart", "--model", str(model_dir), "--out", str(out), "--no-baseline", "--device", "cpu"]
     )
     printed = capsys.readouterr().out
     assert code == 0
+    # two configurations (the model's, the paper's), each text through the model once under each
+    own_key = EmbeddingConfig(pooling="mean", prompt="prompteol").feature_key()
+    paper_key = EmbeddingConfig.paper().feature_key()
+    assert set(forwards) == {own_key, paper_key}
+    for texts in forwards.values():
+        assert len(texts) == len(set(texts)) > 100
+    assert set(forwards[own_key]) == set(forwards[paper_key])
     for method in ("hs", "rw", "moee_concat", "moee_sum"):
         vectors = np.load(out / "embeddings" / f"{method}.npy")
         sidecar = json.loads((out / "embeddings" / f"{method}.npy.json").read_text())
@@ -280,7 +295,7 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
         assert sidecar["method"] == method and sidecar["prompt"] == "prompteol"
         assert sidecar["pooling"] == "mean"
     doc = json.loads((out / "mteb" / "tables.json").read_text())
-    assert len(doc["systems"]) == 4 and {t["family"] for t in doc["tasks"]} == {
+    assert len(doc["systems"]) == 5 and {t["family"] for t in doc["tasks"]} == {
         "STS",
         "Classification",
         "Clustering",
@@ -288,7 +303,10 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
         "Retrieval",
     }
     assert (out / "report" / "report.html").is_file()
-    assert "| MoEE sum + PromptEOL (alpha=auto, pooling=mean) |" in printed.replace("moee/tiny-model | ", "")
+    rows = printed.replace("moee/tiny-model | ", "")
+    assert "| MoEE sum + PromptEOL (alpha=auto, pooling=mean) |" in rows  # the model's configuration
+    assert "| MoEE sum + PromptEOL (alpha=auto, score=softmax) |" in rows  # the paper's, beside it
+    assert doc["run"]["extra_cells"][0]["pooling"] == "last" and doc["run"]["extra_cells"][0]["score"] == "softmax"
     assert str(out / "mteb" / "tables.md") in printed and "quickstart finished" in printed
 
 

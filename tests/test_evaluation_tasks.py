@@ -57,6 +57,15 @@ QUICK_SIZES = {
     "wordnet_definition_retrieval_quick": {"queries": 100, "corpus": 400, "qrels": 100},
 }
 
+# the smaller variants of `moee quickstart` (Lee: the pairs among 24 of the 50 documents)
+MINI_SIZES = {
+    "lee_sts_mini": {"test": 276},
+    "fortunes_classification_mini": {"train": 96, "test": 96},
+    "fortunes_clustering_mini": {"test": 96},
+    "bible_pair_classification_mini": {"test": 64},
+    "wordnet_definition_retrieval_mini": {"queries": 30, "corpus": 120, "qrels": 30},
+}
+
 
 def test_every_offline_data_set_has_a_task():
     assert set(OFFLINE_TASK_NAMES) == set(DOCUMENTED)
@@ -95,20 +104,20 @@ def test_offline_task_loads_without_network_with_documented_size(name, no_networ
     assert texts and all(isinstance(t, str) and t for t in texts) and len(texts) == len(set(texts))
 
 
-@pytest.mark.parametrize("name", sorted(QUICK_SIZES))
+@pytest.mark.parametrize("name", sorted({**QUICK_SIZES, **MINI_SIZES}))
 def test_quick_variants_are_seeded_subsets(name, no_network):
     (task,) = offline_tasks([name])
     task.load_data()
-    assert _sizes(task) == QUICK_SIZES[name]
+    assert _sizes(task) == {**QUICK_SIZES, **MINI_SIZES}[name]
     (again,) = offline_tasks([name])
     again.load_data()
     assert task_texts(again) == task_texts(task)  # the same subset every time
-    if name.endswith("_quick"):
-        (full,) = offline_tasks([name.removesuffix("_quick")])
+    if name.endswith(("_quick", "_mini")):
+        (full,) = offline_tasks([name.rsplit("_", 1)[0]])
         assert task.metadata.dataset["revision"] != full.metadata.dataset["revision"]
         full.load_data()
         assert set(task_texts(task)) < set(task_texts(full))
-    if name == "wordnet_definition_retrieval_quick":  # every query keeps its relevant document
+    if name.startswith("wordnet_definition_retrieval"):  # every query keeps its relevant document
         split = task.dataset["default"]["test"]
         corpus = set(split["corpus"]["id"])
         assert all(set(docs) <= corpus for docs in split["relevant_docs"].values())
@@ -199,3 +208,24 @@ def test_task_texts_of_paper_task_layouts():
         },
     )
     assert task_texts(rerank) == ["query", "doc one"]
+
+
+def test_mini_lee_keeps_every_pair_among_its_documents(no_network):
+    """The mini STS variant limits documents, not rows: 24 of the 50 documents and all 276 of their
+    pairs (a row limit would keep nearly every document, and documents are what the model reads)."""
+    (task,) = offline_tasks(["lee_sts_mini"])
+    task.load_data()
+    texts = task_texts(task)
+    assert len(texts) == 24 and _sizes(task) == {"test": 24 * 23 // 2}
+    (full,) = offline_tasks(["lee_sts"])
+    full.load_data()
+    pairs = {
+        (a, b)
+        for a, b in zip(
+            full.dataset["default"]["test"]["sentence1"], full.dataset["default"]["test"]["sentence2"]
+        )
+    }
+    kept = set(texts)
+    assert {(a, b) for a, b in pairs if a in kept and b in kept} == set(
+        zip(task.dataset["default"]["test"]["sentence1"], task.dataset["default"]["test"]["sentence2"])
+    )

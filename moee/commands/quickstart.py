@@ -1,17 +1,22 @@
-"""``moee quickstart``: the whole pipeline on the bundled default model, offline, in minutes.
+"""``moee quickstart``: the whole pipeline on the bundled default model, offline, in about a minute.
 
-1. embeds a sample of the offline evaluation texts with HS, RW, MoEE concat and MoEE sum
-   (``embeddings/<method>.npy`` + JSON sidecars);
-2. runs a fast subset of the offline mteb suite (one task per family) for the four methods
-   (MoEE sum with the label-free alpha), and the dense baseline all-MiniLM-L6-v2;
-3. prints the results table beside the baseline;
-4. writes the expert-specialization report of the sample (``moee.analysis.specialization``),
-   with the offline task of each text as its domain;
-5. prints where every output went.
+1. loads the model and the mini variants of the offline suite (one task per family, ``--tasks
+   mini``);
+2. embeds every text of those tasks under two configurations: **the model's own** (its saved
+   ``moee_embedding.json``, else the library defaults; the bundled model's: mean pooling, no prompt),
+   resolved by the rule every command follows (``moee.embed.config.resolve_config``), and **the
+   paper's** (MoEE sum, PromptEOL, last token, softmax RW). One forward pass per text and
+   configuration serves every method; a sample of the texts is written as HS, RW, MoEE concat and
+   MoEE sum embeddings (``embeddings/<method>.npy`` + JSON sidecars, which record the configuration);
+3. scores the four methods under the model's configuration, the paper's configuration and the dense
+   baseline all-MiniLM-L6-v2 with mteb (MoEE sum with the label-free alpha; every text is embedded
+   once per model, the vectors of step 2 are reused) and prints the table;
+4. writes the expert-specialization report of the sample (``moee.analysis.specialization``), with
+   the task of each text as its domain;
+5. prints where every output went and how long each step took.
 
-Steps 1 and 2 embed with the model's own configuration (its saved ``moee_embedding.json``, else the
-library defaults; the bundled model's: mean pooling, no prompt), by the rule every command follows
-(``moee.embed.config.resolve_config``); the outputs record it.
+The mini tasks are small (seeded subsets: a smoke test of the whole pipeline, not a benchmark):
+the full suite is ``moee evaluate --tasks offline`` (``eval/run_offline.sh``).
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Texts per offline task in the embedding sample of step 1.
-SAMPLE_PER_TASK = 40
+#: Texts per task written as sample embeddings (step 2) and routed by the report (step 4).
+SAMPLE_PER_TASK = 8
+
+#: The rows the table compares: the model's configuration for every method, the paper's beside it.
+ALPHA = {"alpha": "auto"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "quickstart",
-        help="offline demo: embed, evaluate a fast suite beside the baseline, report (a few minutes)",
+        help="offline demo: embed, evaluate the model's and the paper's configuration beside the "
+        "baseline, report (about a minute on 2 CPU cores)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -43,59 +52,76 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def sample_texts(per_task: int = SAMPLE_PER_TASK) -> list[dict[str, str]]:
-    """The first ``per_task`` distinct texts of every offline task (deterministic)."""
-    from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data
+def sample_rows(tasks: list[Any], per_task: int = SAMPLE_PER_TASK) -> list[dict[str, str]]:
+    """The first ``per_task`` distinct texts of every task (deterministic), with the task's name."""
+    from moee.evaluation.runner import task_texts
 
-    rows: list[dict[str, str]] = []
-    for name in OFFLINE_TASKS:
-        data = load_task_data(name)
-        texts: list[str] = []
-        for stem in ("test", "queries", "corpus"):
-            for row in data.get(stem, []):
-                texts += [row[k] for k in ("text", "sentence1", "sentence2") if isinstance(row.get(k), str)]
-        for text in list(dict.fromkeys(texts))[:per_task]:
-            rows.append({"task": name, "text": text})
-    return rows
+    return [
+        {"task": task.metadata.name, "text": text} for task in tasks for text in task_texts(task)[:per_task]
+    ]
 
 
-def embed_sample(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=print) -> dict[str, Path]:
-    """Step 1: HS, RW, MoEE concat and MoEE sum of the sample under the model's configuration
-    (one forward pass for all four)."""
+def all_texts(tasks: list[Any]) -> list[str]:
+    """Every distinct input text of the tasks, in task order (what the evaluation embeds)."""
+    from moee.evaluation.runner import task_texts
+
+    return list(dict.fromkeys(t for task in tasks for t in task_texts(task)))
+
+
+def embed_texts(embedder: Any, configs: list[Any], texts: list[str], log=print) -> dict[tuple, Any]:
+    """Step 2: one forward pass per text and feature configuration; returns the trace caches (feature
+    key -> ``TraceCache``) the evaluation reads instead of running the model again."""
+    from moee.evaluation.adapter import TraceCache
+
+    caches: dict[tuple, Any] = {}
+    for config in configs:
+        key = config.feature_key()
+        if key in caches:
+            continue
+        start = time.perf_counter()
+        caches[key] = cache = TraceCache(embedder, config=config)
+        cache.get_features(texts, show_progress_bar=True)
+        log(
+            f"      {len(texts)} texts under {config.replace(method='hs').label}: "
+            f"{time.perf_counter() - start:.1f}s"
+        )
+    return caches
+
+
+def write_sample(
+    embedder: Any, config: Any, cache: Any, rows: list[dict[str, str]], out_dir: Path, log=print
+) -> dict[str, Path]:
+    """HS, RW, MoEE concat and MoEE sum of the sample under ``config``, from ``cache`` (no forward pass)."""
     from moee.embed.methods import METHODS
     from moee.embed.recipes import combine_features
-    from moee.evaluation.adapter import TraceCache, model_identity
+    from moee.evaluation.adapter import model_identity
     from moee.io import run_metadata, write_embeddings, write_json_atomic
 
     texts = [r["text"] for r in rows]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "texts.json", {"rows": rows})
-    start = time.perf_counter()
-    base = embedder.default_config  # the model's saved configuration, else the library defaults
-    hs, rw = TraceCache(embedder, config=base).get_features(texts)
-    log(
-        f"embedded {len(texts)} texts in {time.perf_counter() - start:.1f}s (one forward pass for all methods)"
-    )
+    hs, rw = cache.get_features(texts)
     name, revision = model_identity(embedder)
     paths = {}
+    alpha = config.alpha if config.alpha != "auto" else 1.0
     for method in METHODS:
-        config = base.replace(method=method)
-        vectors = combine_features(hs, rw, method, alpha=config.numeric_alpha(), normalize=config.normalize)
+        cell = config.replace(method=method, alpha=alpha)
+        vectors = combine_features(hs, rw, method, alpha=cell.numeric_alpha(), normalize=cell.normalize)
         meta = {
             "model": name,
             "revision": revision,
-            **config.to_dict(),  # the whole resolved configuration, as `moee embed` records it
-            "alpha": config.alpha if config.uses_alpha else None,
+            **cell.to_dict(),  # the whole resolved configuration, as `moee embed` records it
+            "alpha": cell.alpha if cell.uses_alpha else None,
             "texts": "texts.json",
             **run_metadata(),
         }
         paths[method] = write_embeddings(out_dir / f"{method}.npy", vectors, meta)
-        log(f"  {method:12s} {vectors.shape[0]} x {vectors.shape[1]}")
+    log(f"      sample: {len(texts)} texts x {', '.join(METHODS)} -> {out_dir}")
     return paths
 
 
 def specialization_report(embedder: Any, rows: list[dict[str, str]], out_dir: Path, log=print) -> Path | None:
-    """Step 4: the expert-specialization report of the sample (domains = offline tasks).
+    """Step 4: the expert-specialization report of the sample (domains = tasks).
 
     Uses ``moee.analysis.specialization`` when this installation has it; otherwise says so.
     """
@@ -109,7 +135,7 @@ def specialization_report(embedder: Any, rows: list[dict[str, str]], out_dir: Pa
     report = build_report(embedder, [(r["text"], r["task"]) for r in rows], progress=False)
     report["meta"] = {
         **run_metadata(["moee", "quickstart"]),
-        "corpus": "quickstart sample (domain = offline task)",
+        "corpus": "quickstart sample (domain = mini task)",
     }
     paths = write_report(report, out_dir)
     s = report["summary"]
@@ -123,49 +149,82 @@ def specialization_report(embedder: Any, rows: list[dict[str, str]], out_dir: Pa
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from moee.embed.config import PAPER_FIELDS
     from moee.embed.embedder import MoEEmbedder
     from moee.embed.methods import METHODS
-    from moee.evaluation.runner import EvalSettings, quiet_metric_warnings, run_evaluation
-    from moee.evaluation.tasks import QUICK_TASK_NAMES
+    from moee.evaluation.runner import (
+        EvalSettings,
+        load_task_data,
+        quiet_metric_warnings,
+        resolve_tasks,
+        run_evaluation,
+    )
     from moee.loading import LoadOptions
 
     quiet_metric_warnings()
     out: Path = args.out
     start = time.perf_counter()
-    print(f"[1/4] loading {args.model or 'the bundled default model'} ...")
+    steps: dict[str, float] = {}
+
+    def step_done(name: str, since: float) -> float:
+        now = time.perf_counter()
+        steps[name] = now - since
+        return now
+
+    print(f"[1/4] loading {args.model or 'the bundled default model'} and the mini tasks ...")
     loading = LoadOptions.from_args(args)
     embedder = MoEEmbedder.from_pretrained(args.model, loading)
+    tasks = resolve_tasks("mini")
+    load_task_data(tasks)
+    own = embedder.default_config
+    source = "its saved configuration" if embedder.model_config is not None else "the library defaults"
     print(
         f"      {embedder.name_or_path}: {embedder.n_moe_layers} MoE layers x {embedder.n_experts} experts, "
-        f"hidden {embedder.hidden_size}"
+        f"hidden {embedder.hidden_size}; embeds with {source}: pooling {own.pooling}, "
+        f"prompt {own.prompt_label}, score {own.score}"
     )
-    print("[2/4] embedding a sample of the offline data with HS, RW, MoEE concat, MoEE sum ...")
-    rows = sample_texts()
-    emb_paths = embed_sample(embedder, rows, out / "embeddings")
-    own = embedder.default_config
-    print(
-        f"[3/4] mteb on {', '.join(QUICK_TASK_NAMES)} (the model's configuration: pooling {own.pooling}, "
-        f"prompt {own.prompt_label}, score {own.score}; MoEE sum alpha auto) ..."
-    )
+    t = step_done("load", start)
+
     settings = EvalSettings(
         model=args.model,
         methods=METHODS,
-        config={"alpha": "auto"},  # every other field: the model's configuration
-        tasks=list(QUICK_TASK_NAMES),
+        config=ALPHA,  # every other field: the model's configuration
+        extra_cells=[{**PAPER_FIELDS, **ALPHA}],  # the paper's configuration, beside it
+        tasks="mini",
         out=out / "mteb",
         baseline=not args.no_baseline,
         device=args.device,
         command="moee quickstart",
         loading=loading,
     )
-    summary = run_evaluation(settings, embedder=embedder, log=lambda m: print("      " + m))
+    cells = settings.cells(embedder.model_config)
+    texts = all_texts(tasks)
+    print(
+        f"[2/4] embedding the {len(texts)} texts of {', '.join(t.metadata.name for t in tasks)} under the "
+        "model's configuration and the paper's (one forward pass per text and configuration, shared by "
+        "every method) ..."
+    )
+    caches = embed_texts(embedder, cells, texts, log=print)
+    rows = sample_rows(tasks)
+    emb_paths = write_sample(embedder, cells[0], caches[cells[0].feature_key()], rows, out / "embeddings")
+    t = step_done("embed", t)
+
+    print(
+        "[3/4] mteb: HS, RW, MoEE concat, MoEE sum (model's configuration), MoEE sum (paper's), baseline ..."
+    )
+    summary = run_evaluation(
+        settings, embedder=embedder, tasks=tasks, log=lambda m: print("      " + m), trace_caches=caches
+    )
     table = Path(summary["tables_md"]).read_text(encoding="utf-8")
     print()
     print(table.split("## Per task")[0])
+    t = step_done("evaluate", t)
     print("[4/4] expert-specialization report ...")
     report = specialization_report(embedder, rows, out / "report")
+    step_done("report", t)
     print()
-    print(f"quickstart finished in {time.perf_counter() - start:.0f}s. Outputs:")
+    timing = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in steps.items())
+    print(f"quickstart finished in {time.perf_counter() - start:.0f}s ({timing}). Outputs:")
     outputs = {
         "sample texts": out / "embeddings" / "texts.json",
         **{f"embeddings ({m})": p for m, p in emb_paths.items()},

@@ -26,7 +26,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +99,7 @@ class EvalSettings:
     command: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     loading: LoadOptions | None = None
+    extra_cells: Sequence[Mapping[str, Any]] = ()
 
     def base_config(self, model_config: EmbeddingConfig | None = None) -> EmbeddingConfig:
         """The resolved configuration every cell starts from (``model_config``: the model's saved one)."""
@@ -119,6 +119,25 @@ class EvalSettings:
             normalize=True
         )
 
+    def cells(self, model_config: EmbeddingConfig | None = None) -> list[EmbeddingConfig]:
+        """Every configuration evaluated: the ``methods`` x prompts grid, then ``extra_cells`` (each
+        the explicit fields of one configuration, method included, resolved by the same rule: e.g.
+        the paper's configuration beside the model's own), without repeats."""
+        grid = [
+            self.cell_config(m, p, model_config) for p in self.prompt_list(model_config) for m in self.methods
+        ]
+        extra = []
+        for cell in self.extra_cells:
+            if not isinstance(cell, Mapping) or "method" not in cell:
+                raise TypeError(
+                    f"each extra cell is a dict of EmbeddingConfig fields with a method, got {cell!r}"
+                )
+            extra.append(resolve_config(model_config, **cell).replace(normalize=True))
+        unique: dict[str, EmbeddingConfig] = {}  # keyed by the result folder's name: one row each
+        for cell in grid + extra:
+            unique.setdefault(json.dumps(cell.experiment_kwargs(), sort_keys=True), cell)
+        return list(unique.values())
+
     def load_options(self) -> LoadOptions:
         """How to load ``model``: ``loading``, else the defaults on ``device``."""
         return self.loading if self.loading is not None else LoadOptions(device=self.device)
@@ -131,9 +150,7 @@ class EvalSettings:
             raise ValueError("prompts must name at least one prompt (use 'none' for no prompt)")
         if isinstance(self.config, EmbeddingConfig) or not isinstance(self.config, Mapping):
             raise TypeError("config must be a dict of the EmbeddingConfig fields given explicitly")
-        for m in self.methods:
-            for p in self.prompt_list(model_config):
-                self.cell_config(m, p, model_config)
+        self.cells(model_config)  # every cell of the grid and every extra cell is a valid configuration
         check_choice("alpha rule", self.alpha_rule, ALPHA_RULES)
         check_positive_int("batch_size", self.batch_size)
 
@@ -154,7 +171,7 @@ def resolve_tasks(spec: str | Sequence[str]) -> list[Any]:
     """
     import mteb
 
-    from moee.evaluation.tasks import OFFLINE_TASK_NAMES, QUICK_TASK_NAMES, offline_tasks
+    from moee.evaluation.tasks import MINI_TASK_NAMES, OFFLINE_TASK_NAMES, QUICK_TASK_NAMES, offline_tasks
 
     if isinstance(spec, str):
         if spec == "paper":
@@ -163,6 +180,8 @@ def resolve_tasks(spec: str | Sequence[str]) -> list[Any]:
             return offline_tasks()
         if spec == "quick":
             return offline_tasks(QUICK_TASK_NAMES)
+        if spec == "mini":
+            return offline_tasks(MINI_TASK_NAMES)
         names = [s.strip() for s in spec.split(",") if s.strip()]
     else:
         names = list(spec)
@@ -170,9 +189,9 @@ def resolve_tasks(spec: str | Sequence[str]) -> list[Any]:
         raise ValueError("no tasks given; use 'paper', 'offline', 'quick' or task names")
     out = []
     for name in names:
-        if name in ("paper", "offline", "quick"):
+        if name in ("paper", "offline", "quick", "mini"):
             out.extend(resolve_tasks(name))
-        elif name in OFFLINE_TASK_NAMES or name in QUICK_TASK_NAMES:
+        elif name in OFFLINE_TASK_NAMES or name in QUICK_TASK_NAMES or name in MINI_TASK_NAMES:
             out.extend(offline_tasks([name]))
         else:
             try:
@@ -320,15 +339,12 @@ def _evaluate(encoder: Any, task: Any, cache: Any, settings: EvalSettings) -> fl
 def _moee_encoder(
     embedder: Any,
     revision: str,
-    settings: EvalSettings,
-    prompt: str | None,
+    config: EmbeddingConfig,
     traces: TraceCache | None,
-    method: str,
     alpha_by_task: dict[str, float] | None = None,
 ) -> MoEEMTEBEncoder:
     """The encoder of one configuration; alpha only matters (and is only recorded) where the
     method uses it."""
-    config = settings.cell_config(method, prompt, model_config_of(embedder))
     return MoEEMTEBEncoder(
         embedder,
         revision,
@@ -336,6 +352,13 @@ def _moee_encoder(
         alpha_by_task=alpha_by_task if config.uses_alpha else None,
         trace_cache=traces,
     )
+
+
+def _alpha_key(embedder: Any, revision: str, config: EmbeddingConfig) -> str:
+    """What label-free alpha choices are stored under: they depend on the weights and on how RW/HS
+    are pooled and scored, and on the recipe options (which change the features too)."""
+    key = f"{model_name(embedder)}@{revision} pooling={config.pooling} score={config.score}"
+    return f"{key} {config.recipe_label}" if config.recipe_label else key
 
 
 def choose_task_alphas(
@@ -359,11 +382,14 @@ def run_evaluation(
     embedder: Any = None,
     tasks: Sequence[Any] | None = None,
     log: Callable[[str], None] = print,
+    trace_caches: dict[tuple, TraceCache] | None = None,
 ) -> dict[str, Any]:
     """Evaluate, cache, and write the tables; returns a summary with the output paths.
 
     ``embedder`` (a loaded ``MoEEmbedder``) and ``tasks`` (task objects) may be passed in to
-    reuse them; otherwise they come from ``settings``.
+    reuse them; otherwise they come from ``settings``. ``trace_caches`` (feature key ->
+    ``TraceCache``, see ``EmbeddingConfig.feature_key``) shares pooled features with the caller:
+    caches found there are used, the ones made are added, and none is cleared.
     """
     import datasets
     import mteb
@@ -392,34 +418,42 @@ def run_evaluation(
     cache = mteb.ResultCache(out)
     revision = model_identity(embedder)[1]
     alpha_path = out / "alpha_choices.json"
-    # choices depend on the weights and on how RW/HS are pooled and scored: keyed by all of them
-    alpha_key = f"{model_name(embedder)}@{revision} pooling={base.pooling} score={base.score}"
-    recipe_part = base.recipe_label  # recipes change the features too
-    if recipe_part:
-        alpha_key += f" {recipe_part}"
     all_choices: dict[str, dict[str, dict[str, dict[str, Any]]]] = (
         json.loads(alpha_path.read_text(encoding="utf-8")) if alpha_path.is_file() else {}
     )
+    cells = settings.cells(model_config)
+    # one forward pass per text for every cell that shares its features (all methods of a prompt)
+    groups: dict[tuple, list[EmbeddingConfig]] = {}
+    for cell in cells:
+        groups.setdefault(cell.feature_key(), []).append(cell)
     if settings.overwrite:
-        all_choices.pop(alpha_key, None)
-    alpha_choices = all_choices.setdefault(alpha_key, {})
+        for group in groups.values():
+            all_choices.pop(_alpha_key(embedder, revision, group[0]), None)
     timings: dict[str, float] = {}
-    auto = base.alpha == AUTO_ALPHA
-    for prompt in prompts:
-        prompt_name = settings.cell_config("hs", prompt, model_config).prompt_label
-        traces = TraceCache(embedder, config=settings.cell_config("hs", prompt, model_config))
-        make = partial(_moee_encoder, embedder, revision, settings, prompt, traces)
+    chosen: dict[str, dict[str, float]] = {}  # configuration tag -> task -> its label-free alpha
+    for key, group in groups.items():
+        features = group[0]
+        prompt_name = features.prompt_label
+        same = (features.pooling, features.score) == (base.pooling, base.score)
+        tag = prompt_name if same else f"{prompt_name}, pooling={features.pooling}, score={features.score}"
+        alpha_choices = all_choices.setdefault(_alpha_key(embedder, revision, features), {})
+        own_cache = trace_caches is None or key not in trace_caches
+        traces = TraceCache(embedder, config=features) if own_cache else trace_caches[key]
+        if trace_caches is not None:
+            trace_caches[key] = traces
         for task in tasks:
             name = task.metadata.name
-
             pending = [
-                m for m in settings.methods if settings.overwrite or not _is_cached(cache, make(m), task)
+                c
+                for c in group
+                if settings.overwrite
+                or not _is_cached(cache, _moee_encoder(embedder, revision, c, traces), task)
             ]
             if not pending:
-                log(f"[{prompt_name}] {name}: all methods already in the cache")
+                log(f"[{tag}] {name}: all methods already in the cache")
                 continue
             alpha_by_task = None
-            if auto and any(settings.cell_config(m, prompt, model_config).uses_alpha for m in pending):
+            if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in pending):
                 choice = alpha_choices.get(prompt_name, {}).get(name)
                 if choice is None or choice.get("rule") != settings.alpha_rule:
                     choice = choose_task_alphas(
@@ -433,14 +467,16 @@ def run_evaluation(
                     alpha_path.parent.mkdir(parents=True, exist_ok=True)
                     alpha_path.write_text(json.dumps(all_choices, indent=2) + "\n", encoding="utf-8")
                 alpha_by_task = {name: choice["alpha"]}
-                log(
-                    f"[{prompt_name}] {name}: alpha={choice['alpha']:.4g} ({settings.alpha_rule} rule, label-free)"
-                )
-            for method in pending:
-                seconds = _evaluate(make(method, alpha_by_task), task, cache, settings)
-                timings[f"{method}/{prompt_name}/{name}"] = round(seconds, 2)
-                log(f"[{prompt_name}] {name} {method}: {seconds:.1f}s")
-        traces.clear()  # rows are kept across the tasks of a prompt: tasks share some texts
+                log(f"[{tag}] {name}: alpha={choice['alpha']:.4g} ({settings.alpha_rule} rule, label-free)")
+            for cell in pending:
+                encoder = _moee_encoder(embedder, revision, cell, traces, alpha_by_task)
+                seconds = _evaluate(encoder, task, cache, settings)
+                timings[f"{cell.method}/{tag}/{name}"] = round(seconds, 2)
+                log(f"[{tag}] {name} {cell.method}: {seconds:.1f}s")
+        if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in group):
+            chosen[tag] = {t: c["alpha"] for t, c in alpha_choices.get(prompt_name, {}).items()}
+        if own_cache and trace_caches is None:
+            traces.clear()  # rows are kept across the tasks of a prompt: tasks share some texts
     if settings.baseline:
         from mteb.models import ModelMeta
 
@@ -475,11 +511,16 @@ def run_evaluation(
         },
         "alpha": base.alpha,
         "alpha_rule": settings.alpha_rule if base.alpha == AUTO_ALPHA else None,
-        "alpha_choices": {p: {t: c["alpha"] for t, c in d.items()} for p, d in alpha_choices.items()},
+        "alpha_choices": chosen,
         "pooling": base.pooling,
         "score": base.score,
         # the resolution: the fields given, and the model's saved configuration the rest came from
         "config_given": sorted(settings.config),
+        **(
+            {"extra_cells": [c.experiment_kwargs() for c in cells[-len(settings.extra_cells) :]]}
+            if settings.extra_cells
+            else {}
+        ),
         "model_config": model_config.to_dict() if model_config is not None else None,
         "tasks": [t.metadata.name for t in tasks],
         "versions": record["versions"],

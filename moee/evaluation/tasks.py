@@ -22,9 +22,11 @@ citation (``bibtex_citation``), taken from the data's ``metadata.json``. The dat
 is a hash of the committed files, so cached results are tied to the exact data. Nothing is
 downloaded: ``load_data`` reads the package files (works with ``HF_HUB_OFFLINE=1``).
 
-``moee quickstart`` runs ``QUICK_TASK_NAMES``: one task per family, the larger ones as *quick
+``--tasks quick`` (``QUICK_TASK_NAMES``) is one task per family, the larger ones as *quick
 variants* (``<task>_quick``: a seeded subset of at most ``QUICK_LIMITS[task]`` rows per split,
-its own task name and dataset revision so its results never mix with the full task's).
+its own task name and dataset revision so its results never mix with the full task's);
+``moee quickstart`` runs the smaller *mini variants* (``--tasks mini``, ``<task>_mini``,
+``MINI_LIMITS``) the same way.
 
 Evaluation protocol, chosen to mirror the paper's mteb tasks: classification is logistic
 regression on 16 training examples per label, 10 repetitions (as EmotionClassification);
@@ -75,6 +77,26 @@ QUICK_TASK_NAMES: tuple[str, ...] = tuple(
     n if lim is None else n + QUICK_SUFFIX for n, lim in QUICK_LIMITS.items()
 )
 
+#: Suffix of the smaller variants ``moee quickstart`` runs (the same families and seeding as the
+#: quick variants, about a third of their tokens: the main job's evaluation must take seconds).
+MINI_SUFFIX = "_mini"
+MINI_LIMITS: dict[str, int | None] = {
+    "lee_sts": 24,  # documents: the 276 rated pairs among them
+    "fortunes_classification": 96,  # 12 training texts per label on average
+    "fortunes_clustering": 96,
+    "bible_pair_classification": 64,
+    "wordnet_definition_retrieval": 30,
+}
+MINI_TASK_NAMES: tuple[str, ...] = tuple(
+    n if lim is None else n + MINI_SUFFIX for n, lim in MINI_LIMITS.items()
+)
+
+#: Every subset level: suffix -> (row limits, the mark its dataset revisions carry).
+SUBSETS: dict[str, tuple[dict[str, int | None], str]] = {
+    QUICK_SUFFIX: (QUICK_LIMITS, "q"),
+    MINI_SUFFIX: (MINI_LIMITS, "m"),
+}
+
 # mteb licence ids for the sources whose licence has one; others are recorded by URL.
 _LICENCE_IDS = {"lee": "lgpl"}
 _LICENCE_URLS = {
@@ -109,12 +131,14 @@ _TYPES = {
 }
 
 
-def _split_name(name: str) -> tuple[str, int | None]:
-    """``fortunes_classification_quick`` -> (``fortunes_classification``, its quick limit)."""
-    if name.endswith(QUICK_SUFFIX) and QUICK_LIMITS.get(name[: -len(QUICK_SUFFIX)]):
-        base = name[: -len(QUICK_SUFFIX)]
-        return base, QUICK_LIMITS[base]
-    return name, None
+def _split_name(name: str) -> tuple[str, int | None, str]:
+    """``fortunes_classification_quick`` -> (``fortunes_classification``, its row limit, ``_quick``);
+    a full task -> (its name, ``None``, ``""``)."""
+    for suffix, (limits, _) in SUBSETS.items():
+        base = name[: -len(suffix)]
+        if name.endswith(suffix) and limits.get(base):
+            return base, limits[base], suffix
+    return name, None, ""
 
 
 def offline_task_family(name: str) -> str | None:
@@ -132,10 +156,18 @@ def _subsample(rows: list[dict[str, Any]], limit: int | None, seed: str) -> list
 
 
 def _limit_data(data: dict[str, Any], limit: int | None) -> dict[str, Any]:
-    """Apply a quick limit to loaded data (row splits, or queries + corpus + qrels)."""
+    """Apply a subset limit to loaded data: row splits; queries + corpus + qrels; for pairs drawn from
+    a set of ``documents`` (Lee: every pair of 50 documents), the pairs among ``limit`` documents (a
+    row limit would keep nearly every document, and documents are what costs)."""
     if limit is None:
         return data
     out = dict(data)
+    if "documents" in data:
+        docs = _subsample(data["documents"], limit, f"{data['name']}:documents")
+        ids = {d["id"] for d in docs}
+        out["documents"] = docs
+        out["test"] = [r for r in data["test"] if r["id1"] in ids and r["id2"] in ids]
+        return out
     if "queries" in data:
         queries = _subsample(data["queries"], limit, f"{data['name']}:queries")
         qids = {q["id"] for q in queries}
@@ -168,7 +200,7 @@ def _bibtex(key: str, citation: str, url: str) -> str:
     return f"@misc{{{key},\n  note = {{{text}}},\n  howpublished = {{\\url{{{url}}}}},\n}}\n"
 
 
-def _metadata(name: str, limit: int | None = None) -> TaskMetadata:
+def _metadata(name: str, limit: int | None = None, suffix: str = QUICK_SUFFIX) -> TaskMetadata:
     spec = OFFLINE_TASKS[name]
     meta = load_task_metadata(name)
     sources: dict[str, dict[str, str]] = meta.get("sources", {})
@@ -181,10 +213,11 @@ def _metadata(name: str, limit: int | None = None) -> TaskMetadata:
     description = f"{spec.description} Licence: {licences}. Built by scripts/build_offline_data.py."
     revision = _files_revision(name)
     if limit is not None:
-        description = f"Quick variant: a seeded subset of at most {limit} rows per split. {description}"
-        revision = f"{revision[:8]}-q{limit}"
+        kind = "Quick" if suffix == QUICK_SUFFIX else suffix.strip("_").capitalize()
+        description = f"{kind} variant: a seeded subset of at most {limit} rows per split. {description}"
+        revision = f"{revision[:8]}-{SUBSETS[suffix][1]}{limit}"
     return TaskMetadata(
-        name=name if limit is None else name + QUICK_SUFFIX,
+        name=name if limit is None else name + suffix,
         dataset={"path": f"moee/data/offline/{name}", "revision": revision},
         description=description,
         reference=sources.get(first, {}).get("url") or None,
@@ -354,15 +387,14 @@ _BASES = {
 @cache
 def offline_task_class(name: str) -> type:
     """The mteb task class of an offline data set or of its quick variant (built once)."""
-    base_name, limit = _split_name(name)
+    base_name, limit, suffix = _split_name(name)
     if base_name not in OFFLINE_TASKS:
-        raise ValueError(
-            f"unknown offline task {name!r}; known: {', '.join(OFFLINE_TASK_NAMES + QUICK_TASK_NAMES)}"
-        )
+        known = OFFLINE_TASK_NAMES + QUICK_TASK_NAMES + MINI_TASK_NAMES
+        raise ValueError(f"unknown offline task {name!r}; known: {', '.join(dict.fromkeys(known))}")
     base = _BASES[OFFLINE_TASKS[base_name].family]
     class_name = "".join(part.capitalize() for part in name.split("_"))
     attrs = {
-        "metadata": _metadata(base_name, limit),
+        "metadata": _metadata(base_name, limit, suffix or QUICK_SUFFIX),
         "offline_name": base_name,
         "row_limit": limit,
         "__module__": __name__,
