@@ -180,3 +180,11 @@ def test_meta_command_records_the_checkpoints_as_a_shell_line(model_dir, corpus,
     at = words.index("--checkpoints")
     assert words[at + 1 : at + 3] == [str(model_dir), str(second)]
     assert "[" not in command
+
+
+def test_a_compare_hub_id_that_cannot_be_found_is_refused_before_routing(
+    model_dir, corpus, tmp_path, capsys, no_routing, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(_argv(model_dir, corpus, tmp_path / "rep", "--compare", "no-such-org/no-such-model")) == 2
+    assert "--compare no-such-org/no-such-model: cannot find this model" in capsys.readouterr().err

@@ -74,9 +74,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def check_model_spec(flag: str, spec: str) -> None:
+def check_model_spec(flag: str, spec: str, *, hub: bool = True) -> None:
     """A model argument that cannot load is refused by flag before any model is routed: a missing
-    or non-model local folder, or a Hub id (``name@revision``) not reachable (not cached offline)."""
+    or non-model local folder, or (``hub``) a Hub id (``name@revision``) whose config cannot be
+    fetched (not cached offline). ``--model`` loads first, so its loader's own error comes first
+    anyway and it is checked with ``hub=False``."""
     from moee.loading import check_model_source, split_revision
 
     name, revision = split_revision(spec)
@@ -88,6 +90,8 @@ def check_model_spec(flag: str, spec: str) -> None:
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise FileNotFoundError(f"{flag} {spec}: {local} holds no config.json, it is not a model folder")
+        return
+    if not hub:
         return
     from transformers.utils import cached_file
 
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     specs += [("--checkpoints", c) for c in args.checkpoints or []]
     specs += [("--compare", args.compare)] if args.compare is not None else []
     for flag, spec in specs:
-        check_model_spec(flag, spec)
+        check_model_spec(flag, spec, hub=flag != "--model")
     total = check_corpus(
         args.corpus, text_field=args.field, domain_field=args.domain_field, max_texts=args.max_texts
     )
