@@ -455,6 +455,11 @@ def npy_shape(path: str | Path) -> tuple[int, ...]:
 
 __all__ = [
     "EmbeddingWriter",
+    "StagedFolder",
+    "check_output_folder",
+    "commit_folder",
+    "match_folder_modes",
+    "staging_folder",
     "batched",
     "check_embeddings_file",
     "check_input_file",
@@ -473,3 +478,102 @@ __all__ = [
     "write_embeddings",
     "write_json_atomic",
 ]
+
+
+# ----------------------------------------------------------------------------------------
+# output folders (upcycled models, reports, checkpoints)
+# ----------------------------------------------------------------------------------------
+def check_output_folder(path: str | Path, *, overwrite: bool, what: str = "--out") -> Path:
+    """Refuse an output folder before any work: an existing file (a folder is expected, even with
+    ``overwrite``), a non-empty folder without ``overwrite``, a parent that cannot be written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{what} {path} is a file, not a folder; give a folder path (or remove it)")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{what} {path} exists and is not empty; pass --overwrite to replace it")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".{path.name}.{os.getpid()}.probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write {what} {path}: {exc.strerror or exc} ({exc.filename or parent})"
+        ) from None
+    return path
+
+
+def match_folder_modes(root: str | Path) -> None:
+    """Give every file under ``root`` the mode of ``root`` less its execute bits, and every folder
+    ``root``'s mode: the modes ``open()`` / ``mkdir()`` give under the user's umask, where a writer
+    (safetensors writes 0600) chose a narrower one. ``root`` must have been made by ``mkdir()``."""
+    root = Path(root)
+    dir_mode = root.stat().st_mode & 0o777
+    for sub, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(Path(sub) / name, dir_mode)
+        for name in files:
+            os.chmod(Path(sub) / name, dir_mode & 0o666)
+
+
+def staging_folder(target: str | Path) -> Path:
+    """A new, empty folder with a unique hidden name beside ``target`` (``.NAME.tmp-XXXXXXXX``),
+    made with ``mkdir()`` so it gets the umask's mode; nothing there is ever taken for a result."""
+    import secrets
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        staging = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            staging.mkdir()
+            return staging
+        except FileExistsError:
+            continue
+
+
+def commit_folder(staging: str | Path, target: str | Path) -> Path:
+    """Move a finished ``staging`` folder to ``target`` by rename, file modes as the umask gives.
+
+    An existing ``target`` folder is first renamed aside under a unique hidden name and deleted
+    after the new one is in place: a crash in between leaves no ``target`` (and hidden leftovers),
+    never the old folder's files mixed with the new one's.
+    """
+    import secrets
+    import shutil
+
+    staging, target = Path(staging), Path(target)
+    match_folder_modes(staging)
+    old = None
+    if target.is_dir():
+        old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+        os.replace(target, old)
+    elif target.exists():
+        raise NotADirectoryError(f"{target} is a file, not a folder; it is not replaced")
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+class StagedFolder:
+    """``with StagedFolder(out) as tmp:`` write every file of a result folder into ``tmp``; on a
+    clean exit it replaces ``out`` (:func:`commit_folder`), on an error it is deleted. A run
+    killed midway leaves only a hidden ``.NAME.tmp-*`` folder, never an ``out`` that looks done."""
+
+    def __init__(self, target: str | Path) -> None:
+        self.target = Path(target)
+        self.path: Path | None = None
+
+    def __enter__(self) -> Path:
+        self.path = staging_folder(self.target)
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        import shutil
+
+        if exc_type is None:
+            commit_folder(self.path, self.target)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)

@@ -608,3 +608,43 @@ def test_a_distinct_bos_starts_every_document(corpus, tmp_path):
     assert with_bos[0] == tok.bos_token_id
     ends = np.flatnonzero(with_bos == tok.eos_token_id)[:-1]
     assert (with_bos[ends + 1] == tok.bos_token_id).all()
+
+
+def test_a_kill_during_the_evaluation_after_a_checkpoint_is_made_good_on_resume(
+    corpus, tmp_path, monkeypatch
+):
+    import moee.moe.trainer as trainer_mod
+
+    def eval_steps(out: Path) -> list[int]:
+        return [r["step"] for r in trainer_mod.read_log(out / "log.jsonl") if r["kind"] == "eval"]
+
+    cfg = dict(tiny_cfg(corpus, tmp_path / "full"), eval={"every": 2, "max_windows": 4, "batch_size": 4})
+    full = train(cfg, progress=False)
+    assert eval_steps(tmp_path / "full") == [2, 4, 6]
+
+    real = trainer_mod.evaluate
+    calls = {"n": 0}
+
+    def killed_in_the_second_evaluation(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # step 4: its checkpoint is written, its evaluation never ends
+            raise KeyboardInterrupt("killed during the evaluation")
+        return real(*args, **kwargs)
+
+    cfg = dict(cfg, checkpoint={**cfg["checkpoint"], "dir": str(tmp_path / "split")})
+    monkeypatch.setattr(trainer_mod, "evaluate", killed_in_the_second_evaluation)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    assert latest_checkpoint(tmp_path / "split").name == "step_00000004"
+    assert eval_steps(tmp_path / "split") == [2]
+    monkeypatch.setattr(trainer_mod, "evaluate", real)
+    resumed = train(cfg, resume=True, progress=False)
+    assert eval_steps(tmp_path / "split") == [2, 4, 6]  # the evaluation of step 4 is not lost
+    records = {
+        r["step"]: r for r in trainer_mod.read_log(tmp_path / "full" / "log.jsonl") if r["kind"] == "eval"
+    }
+    again = {
+        r["step"]: r for r in trainer_mod.read_log(tmp_path / "split" / "log.jsonl") if r["kind"] == "eval"
+    }
+    assert again[4]["loss"] == records[4]["loss"] and resumed.last_eval["loss"] == full.last_eval["loss"]
+    assert _train_losses(tmp_path / "full" / "log.jsonl") == _train_losses(tmp_path / "split" / "log.jsonl")

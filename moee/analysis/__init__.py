@@ -16,7 +16,8 @@ def command_line(args: argparse.Namespace) -> list[str]:
     """Rebuild the ``moee <command> --flag value ...`` line from parsed arguments.
 
     Result files record the command that made them; ``sys.argv`` is wrong when ``moee.cli.main``
-    is called from Python (tests, notebooks), so the line is rebuilt from what was parsed.
+    is called from Python (tests, notebooks), so the line is rebuilt from what was parsed (a list,
+    from ``nargs="+"``, as the flag followed by its values, so the shell-quoted line re-runs).
     """
     parts = ["moee", str(args.command)]
     for key, value in vars(args).items():
@@ -25,6 +26,8 @@ def command_line(args: argparse.Namespace) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
+        elif isinstance(value, (list, tuple)):  # nargs="+": the flag, then every value
+            parts += [flag, *map(str, value)]
         else:
             parts += [flag, str(value)]
     return parts

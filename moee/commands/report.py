@@ -17,6 +17,12 @@ domain JSD, co-activation heatmaps and a token view (docs/SPECIALIZATION.md defi
 final one's on the same tokens (paths, Hub ids or ``name@revision``; the report is of the final
 checkpoint unless ``--model`` is given). ``--compare MODEL_B`` builds B's report on the same
 corpus into the same report.json (``compare``), with the differences and B's selection overlap.
+
+Every input is checked before the first model is routed (the output folder, each model path or
+Hub id, the corpus: read through once, and not only empty texts). ``--out`` is a folder of its
+own: an existing report there needs ``--overwrite``. Both files are written into a hidden folder
+beside it and renamed into place together, so a killed run never leaves a new report.json beside
+an old report.html.
 """
 
 from __future__ import annotations
@@ -63,8 +69,36 @@ def register(subparsers) -> None:
     p.add_argument(
         "--token-view-tokens", type=int, default=256, help="tokens in the token view in all (default: 256)"
     )
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output folder (report.json and report.html)")
+    p.add_argument("--overwrite", action="store_true", help="replace the report already in --out")
     p.set_defaults(func=run)
+
+
+def check_model_spec(flag: str, spec: str, *, hub: bool = True) -> None:
+    """A model argument that cannot load is refused by flag before any model is routed: a missing
+    or non-model local folder, or (``hub``) a Hub id (``name@revision``) whose config cannot be
+    fetched (not cached offline). ``--model`` loads first, so its loader's own error comes first
+    anyway and it is checked with ``hub=False``."""
+    from moee.loading import check_model_source, split_revision
+
+    name, revision = split_revision(spec)
+    try:
+        check_model_source(name)
+    except OSError as exc:
+        raise type(exc)(f"{flag} {spec}: {exc}") from None
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"{flag} {spec}: {local} holds no config.json, it is not a model folder")
+        return
+    if not hub:
+        return
+    from transformers.utils import cached_file
+
+    try:
+        cached_file(name, "config.json", revision=revision)
+    except OSError as exc:
+        raise FileNotFoundError(f"{flag} {spec}: cannot find this model ({exc})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         saturation_section,
         write_report,
     )
+    from moee.analysis.specialization.report import check_corpus, check_report_folder
     from moee.embed.embedder import MoEEmbedder
     from moee.io import run_metadata
     from moee.loading import LoadOptions
@@ -89,6 +124,16 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoints is not None and len(args.checkpoints) < 2:
         raise ValueError("--checkpoints needs at least two checkpoints (the last one is the final)")
     options = LoadOptions.from_args(args)
+    # every input before the first model loads: the output folder, each model, the corpus
+    check_report_folder(args.out, overwrite=args.overwrite)
+    specs = [("--model", args.model)] if args.model is not None else []
+    specs += [("--checkpoints", c) for c in args.checkpoints or []]
+    specs += [("--compare", args.compare)] if args.compare is not None else []
+    for flag, spec in specs:
+        check_model_spec(flag, spec, hub=flag != "--model")
+    total = check_corpus(
+        args.corpus, text_field=args.field, domain_field=args.domain_field, max_texts=args.max_texts
+    )
 
     def corpus():
         return read_corpus(args.corpus, text_field=args.field, domain_field=args.domain_field)
@@ -102,10 +147,6 @@ def run(args: argparse.Namespace) -> int:
     def load(spec):
         return load_embedder(spec, options, tokenizer=tokenizer)
 
-    total = None
-    if Path(args.corpus).suffix.lower() in (".txt", ".jsonl", ".ndjson"):  # one text a line: cheap to count
-        with open(args.corpus, "rb") as fh:
-            total = sum(1 for _ in fh)
     settings = dict(
         top_k=args.top_k,
         batch_size=args.batch_size,
@@ -168,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         report["compare"] = compare_section(
             report, report_b, overlap, [report["summary"]["model"], args.compare]
         )
-    paths = write_report(report, args.out)
+    paths = write_report(report, args.out, overwrite=args.overwrite)
     s = report["summary"]
     print(
         f"{s['n_texts']} texts, {s['n_tokens']} tokens, k={s['top_k']} ({s['top_k_source']}): "

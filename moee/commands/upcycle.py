@@ -7,6 +7,11 @@ it loads with the transformers Auto classes after ``import moee``, with
 ``moee.MoEEmbedder.from_pretrained`` and every command's ``--model``. ``--router`` is any gate
 of the registry the from-scratch LM uses (``moee.moe.gate_registry.GATES``), its other fields
 ``--router-option KEY=VALUE``.
+
+Every input is checked before the dense model loads (``--out``, the numbers, the router options,
+the ``--trim-vocab`` corpus, the tokenizer). The folder is written under a unique hidden name beside
+``--out`` and renamed into place when complete: a killed run leaves no ``--out`` that looks
+finished, and ``--overwrite`` replaces the whole folder (no file of the previous model stays).
 """
 
 from __future__ import annotations
@@ -103,31 +108,33 @@ def register(subparsers) -> None:
         default=1,
         help="--trim-vocab: times a token must occur (default %(default)s)",
     )
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out folder (as a whole: nothing of the old one is kept)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    """Check every input, build the model, then write the folder (staged, committed by rename)."""
     import torch
 
     from moee.moe.upcycle import save_upcycled, upcycle
 
-    order = None
-    if args.layer_order:
-        try:
-            order = [int(x) for x in args.layer_order.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--layer-order must be comma-separated integers, got {args.layer_order!r}"
-            ) from None
+    order = check_inputs(args)
+    tokenizer_from = _tokenizer_source(args.src)
+    if tokenizer_from is None and (args.trim_vocab or args.causal):
+        raise ValueError(f"--trim-vocab / --causal need the tokenizer of {args.src}, and it has none")
+    tokenizer = None
+    if tokenizer_from is not None:  # loaded (and checked) before the model
+        from transformers import AutoTokenizer
 
-    out_dir = Path(args.out)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not args.overwrite:
-        raise FileExistsError(
-            f"{out_dir} exists and is not an empty directory; pass --overwrite to write into it"
-        )
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    if args.trim_vocab:
+        from moee.moe.vocab import check_trimmable
+
+        check_trimmable(tokenizer)
     model = upcycle(
         args.src,
         n_experts=args.experts,
@@ -146,18 +153,9 @@ def run(args: argparse.Namespace) -> int:
         router_bias_gamma=args.router_bias_gamma,
         router_options=router_options(args.router_option),
     )
-    has_tokenizer = Path(args.src).is_dir() and any(
-        (Path(args.src) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
-    )
-    tokenizer_from = args.src if has_tokenizer or not Path(args.src).exists() else None
-    tokenizer = None
     if args.trim_vocab or args.causal:
-        if tokenizer_from is None:
-            raise ValueError(f"--trim-vocab / --causal need the tokenizer of {args.src}, and it has none")
-        tokenizer = _adapt_tokenizer(model, tokenizer_from, args)
-    out = save_upcycled(
-        model, args.out, tokenizer_from=None if tokenizer else tokenizer_from, tokenizer=tokenizer
-    )
+        tokenizer = _adapt_tokenizer(model, tokenizer, args)
+    out = save_upcycled(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite)
     cfg = model.config
     print(
         f"wrote {out}: {cfg.text_config.model_type} -> {len(model.moe_ffns())} MoE layers x "
@@ -166,6 +164,66 @@ def run(args: argparse.Namespace) -> int:
         f"router {cfg.router_init}/{cfg.router_type}, vocabulary {model.get_input_embeddings().weight.shape[0]})"
     )
     return 0
+
+
+def check_inputs(args: argparse.Namespace) -> list[int] | None:
+    """Every check that needs no model, before any loading: ``--out`` (a folder, empty or
+    ``--overwrite``, writable), the numbers, ``--router-option``, ``--trim-vocab``'s corpus (read
+    through once: every line a JSON object with a string ``text``). Returns the layer order."""
+    import math
+
+    from moee.io import check_input_file, check_output_folder, iter_jsonl
+
+    order = None
+    if args.layer_order:
+        try:
+            order = [int(x) for x in args.layer_order.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--layer-order must be comma-separated integers, got {args.layer_order!r}"
+            ) from None
+        if any(i < 0 for i in order):
+            raise ValueError(f"--layer-order takes layer indices >= 0, got {args.layer_order!r}")
+    check_output_folder(args.out, overwrite=args.overwrite)
+    for flag, value in (("--router-std", args.router_std), ("--router-bias-gamma", args.router_bias_gamma)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+    for flag, value, low in (
+        ("--experts", args.experts, 1),
+        ("--top-k", args.top_k, 1),
+        ("--min-count", args.min_count, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.shared_neurons < 0:
+        raise ValueError(f"--shared-neurons must be >= 0, got {args.shared_neurons}")
+    router_options(args.router_option)
+    if args.trim_vocab:
+        corpus = check_input_file(args.trim_vocab, "--trim-vocab corpus")
+        n = 0
+        for line, row in iter_jsonl(corpus):
+            if not isinstance(row.get("text"), str):
+                raise ValueError(f"{corpus}:{line}: needs a string 'text' field")
+            n += 1
+        if n == 0:
+            raise ValueError(f"--trim-vocab corpus {corpus} holds no texts")
+    elif args.min_count != 1:
+        raise ValueError("--min-count applies to --trim-vocab only")
+    return order
+
+
+def _tokenizer_source(src: str) -> str | None:
+    """Where the source's tokenizer is read from: ``src`` itself when it is a folder holding one
+    or a Hub name, else ``None``."""
+    from pathlib import Path
+
+    path = Path(src)
+    if not path.exists():
+        return src
+    has = path.is_dir() and any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+    )
+    return src if has else None
 
 
 def router_options(pairs: list[str]) -> dict:
@@ -184,17 +242,15 @@ def router_options(pairs: list[str]) -> dict:
     return options
 
 
-def _adapt_tokenizer(model, tokenizer_from: str, args: argparse.Namespace):
+def _adapt_tokenizer(model, tokenizer, args: argparse.Namespace):
     """The tokenizer to save: trimmed to ``--trim-vocab``'s tokens (the model's embeddings too) and,
     for an encoder made causal, with a BOS-only template."""
     import numpy as np
-    from transformers import AutoTokenizer
 
     from moee.io import iter_jsonl
     from moee.moe.upcycled import family_rule
     from moee.moe.vocab import causal_template, keep_for_counts, trim_vocabulary
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     if args.trim_vocab:
         from tqdm.auto import tqdm
 
@@ -206,10 +262,8 @@ def _adapt_tokenizer(model, tokenizer_from: str, args: argparse.Namespace):
                 counts[:] += np.bincount(ids, minlength=len(counts))[: len(counts)]
             batch.clear()
 
-        for line, row in tqdm(iter_jsonl(args.trim_vocab), desc="count tokens", unit=" docs"):
-            if not isinstance(row.get("text"), str):
-                raise ValueError(f"{args.trim_vocab}:{line}: needs a string 'text' field")
-            batch.append(row["text"])
+        for _, row in tqdm(iter_jsonl(args.trim_vocab), desc="count tokens", unit=" docs"):
+            batch.append(row["text"])  # every row was checked by check_inputs
             if len(batch) >= 1000:
                 flush()
         flush()

@@ -34,6 +34,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from moee.io import match_folder_modes
+
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
@@ -159,6 +161,7 @@ def save_checkpoint(
     }
     state["state_sha256"] = state_digest(state)
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    match_folder_modes(tmp)  # safetensors writes 0600; a checkpoint is a model like any other
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -35,7 +35,9 @@ the data position is a single integer (windows consumed) and resuming is exact.
 
 Logs: `<checkpoint.dir>/log.jsonl`, one JSON object per step (`"kind": "train"`), per
 evaluation (`"kind": "eval"`, with per-layer load statistics on the held-out windows) and per
-resume (`"kind": "resume"`, with the config changes it accepted).
+resume (`"kind": "resume"`, with the config changes it accepted). A checkpoint records whether
+an evaluation follows it (`eval_due`); a run stopped between the two runs that evaluation on
+resume, so the held-out history has every step.
 
 Runs never overwrite or silently continue each other: a fresh run refuses a `checkpoint.dir`
 that already holds checkpoints or a log (`RunDirectoryNotEmptyError`) unless `overwrite=True`;
@@ -53,6 +55,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -534,6 +537,18 @@ def _truncate_log(path: Path, step: int) -> list[dict]:
     return kept
 
 
+def _log_eval(log_path: Path, step: int, result: dict, bar: Any) -> dict:
+    """Append the held-out evaluation of ``step`` to the log and show it (on ``bar``, else stderr)."""
+    _append_log(log_path, {"kind": "eval", "step": step, **result})
+    worst = max((layer["max_over_mean_load"] for layer in result["layers"]), default=0.0)
+    line = f"step {step}: held-out loss {result['loss']:.4f} ppl {result['ppl']:.2f} max/mean {worst:.2f}"
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, file=sys.stderr)
+    return result
+
+
 def _flatten(cfg: dict) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in cfg.items():
@@ -805,6 +820,10 @@ def train(
         evals = [r for r in previous if r.get("kind") == "eval" and r["step"] == step]
         if evals:
             last_eval = {k: v for k, v in evals[-1].items() if k not in ("kind", "step")}
+        elif heldout is not None and state.get("eval_due", step % ev["every"] == 0):
+            # the run stopped between this checkpoint and the evaluation that follows it: run
+            # that evaluation now, so the held-out history keeps every step
+            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), None)
     t_start = time.time()
     tokens_run = 0
     bar = tqdm(total=max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="train")
@@ -887,18 +906,19 @@ def train(
                     optimizer=optimizer,
                     data_position=position,
                     config=cfg,
-                    extra={"max_steps": max_steps, "inputs": inputs},
+                    # whether a held-out evaluation follows this checkpoint: a resume from it runs
+                    # that evaluation when the log does not hold it (a stop between the two)
+                    extra={
+                        "max_steps": max_steps,
+                        "inputs": inputs,
+                        "eval_due": heldout is not None and (step % ev["every"] == 0 or done),
+                    },
                     keep=ck["keep"],
                 )
             except NonFiniteCheckpointError as exc:
                 raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(out_dir)})") from exc
         if heldout is not None and (step % ev["every"] == 0 or done):
-            last_eval = evaluate(model, heldout, ev["batch_size"])
-            _append_log(log_path, {"kind": "eval", "step": step, **last_eval})
-            worst = max((layer["max_over_mean_load"] for layer in last_eval["layers"]), default=0.0)
-            bar.write(
-                f"step {step}: held-out loss {last_eval['loss']:.4f} ppl {last_eval['ppl']:.2f} max/mean {worst:.2f}"
-            )
+            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), bar)
         if timed_out and step < last_stop:
             stopped_early = True
             bar.write(f"stop_after_minutes reached at step {step}; checkpoint saved")

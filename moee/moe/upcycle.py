@@ -21,6 +21,7 @@ The result is a `moee.moe.upcycled.MoEEUpcycledForCausalLM` (decoders) or `MoEEU
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -157,10 +158,28 @@ def split_neurons(
     return groups, centroids
 
 
+def _check_layer_order(order: list[int] | None, n_layers: int | None) -> None:
+    """A layer order is a non-empty list of layer indices in ``[0, n_layers)`` (checked on the
+    config, before the weights load)."""
+    if order is None:
+        return
+    bad = not isinstance(order, (list, tuple)) or not order
+    bad = bad or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in order)
+    if not bad and n_layers is not None:
+        bad = any(i >= n_layers for i in order)
+    if bad:
+        where = f"[0, {n_layers})" if n_layers is not None else "[0, number of layers)"
+        raise ValueError(f"layer order must be a non-empty list of layer indices in {where}, got {order!r}")
+
+
 def _load_dense(
-    src: str | Path | PreTrainedModel, dtype: torch.dtype | None, causal: bool = False
+    src: str | Path | PreTrainedModel,
+    dtype: torch.dtype | None,
+    causal: bool = False,
+    layer_order: list[int] | None = None,
 ) -> PreTrainedModel:
     if isinstance(src, PreTrainedModel):
+        _check_layer_order(layer_order, getattr(src.config, "num_hidden_layers", None))
         if causal and not is_causal(src.config):
             raise ValueError(
                 "causal=True needs a path or name (the causal LM class is built at load time); "
@@ -174,6 +193,7 @@ def _load_dense(
     check_model_source(src)
     config = AutoConfig.from_pretrained(src)
     family_rule(config.model_type)
+    _check_layer_order(layer_order, getattr(config, "num_hidden_layers", None))
     if causal and not is_causal(config):
         # an encoder family as a causal LM: causal self-attention and the family's LM head
         # (its prediction-head weights start fresh when the checkpoint has none)
@@ -246,8 +266,20 @@ def upcycle(
         raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be an int in [1, n_experts={n_experts}], got {top_k!r}")
+    for name, value in (
+        ("router_std", router_std),
+        ("router_bias_gamma", router_fields["router_bias_gamma"]),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    _check_layer_order(layer_order, None)
 
-    dense_model = _load_dense(src, dtype, causal)
+    dense_model = _load_dense(src, dtype, causal, layer_order)
     text_config = dense_model.config
     rule = family_rule(getattr(text_config, "model_type", None))
     if layer_order is not None:
@@ -314,17 +346,27 @@ def save_upcycled(
     *,
     tokenizer_from: str | Path | None = None,
     tokenizer=None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` to ``out`` (safetensors) and, when given, ``tokenizer`` or the tokenizer of
-    ``tokenizer_from``."""
-    out = Path(out)
-    model.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    elif tokenizer_from is not None:
+    """Write ``model`` to the folder ``out`` (safetensors) and, when given, ``tokenizer`` or the
+    tokenizer of ``tokenizer_from``.
+
+    Everything is written into a unique hidden folder beside ``out`` that replaces ``out`` by rename
+    once complete (`moee.io.StagedFolder`): a killed save leaves no ``out`` that looks finished,
+    and a replaced ``out`` keeps nothing of the previous model (no stale tokenizer). A non-empty
+    ``out`` needs ``overwrite=True``; a file named ``out`` is refused. Files get the umask's modes.
+    """
+    from moee.io import StagedFolder, check_output_folder
+
+    out = check_output_folder(out, overwrite=overwrite, what="output folder")
+    if tokenizer is None and tokenizer_from is not None:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    with StagedFolder(out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
     return out
 
 

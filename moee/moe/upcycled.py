@@ -219,6 +219,10 @@ def is_causal(config: PreTrainedConfig) -> bool:
     return family_rule(config.model_type).decoder or bool(getattr(config, "is_decoder", False))
 
 
+#: config fields holding one entry per layer, reordered with the layers by `reorder_layers`
+PER_LAYER_CONFIG_KEYS = ("layer_types", "no_rope_layers")
+
+
 def reorder_layers(model: PreTrainedModel, order: list[int]) -> PreTrainedModel:
     """Depth up-scaling (Kim et al. 2023, SOLAR): rebuild the layer list of ``model`` as copies of
     its layers in ``order`` (indices may repeat), e.g. ``[0, 1, 2, 3, 2, 3, 4, 5]`` turns 6 layers
@@ -238,7 +242,21 @@ def reorder_layers(model: PreTrainedModel, order: list[int]) -> PreTrainedModel:
                 sub.layer_idx = position
     parent, _, name = rule.layers.rpartition(".")
     setattr(operator.attrgetter(parent)(model.base_model) if parent else model.base_model, name, new)
-    model.config.num_hidden_layers = len(order)
+    config = model.config
+    for key in PER_LAYER_CONFIG_KEYS:  # each copy keeps its source layer's entry (e.g. attention type)
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"config.{key} has {len(value)} entries for {n} layers; cannot reorder it")
+            setattr(config, key, type(value)(value[i] for i in order))
+    config.num_hidden_layers = len(order)
+    try:  # the saved config must load again: transformers validates per-layer lists against the count
+        type(config).from_dict(config.to_dict())
+    except Exception as exc:
+        raise ValueError(
+            f"layer order {order}: the {config.model_type} config does not validate with {len(order)} layers "
+            f"({exc})"
+        ) from exc
     return model
 
 

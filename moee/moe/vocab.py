@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-__all__ = ["causal_template", "keep_for_counts", "trim_vocabulary"]
+__all__ = ["causal_template", "check_trimmable", "keep_for_counts", "trim_vocabulary"]
 
 _SUPPORTED = ("WordPiece", "WordLevel")
 
@@ -39,6 +39,12 @@ def _spec(tokenizer: PreTrainedTokenizerFast) -> dict:
     if kind not in _SUPPORTED:
         raise ValueError(f"vocabulary trimming supports {', '.join(_SUPPORTED)} tokenizers, not {kind}")
     return spec
+
+
+def check_trimmable(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Raise unless ``tokenizer`` can be trimmed (fast, WordPiece or WordLevel): checked before any
+    model is loaded, so a tokenizer that cannot be trimmed fails first."""
+    _spec(tokenizer)
 
 
 def _rebuild(tokenizer: PreTrainedTokenizerFast, spec: dict, **special: str) -> PreTrainedTokenizerFast:

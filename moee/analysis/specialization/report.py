@@ -101,6 +101,28 @@ def read_corpus(
     return zip(texts, read_texts(path, field=domain_field))
 
 
+def check_corpus(
+    path: str | Path,
+    *,
+    text_field: str | None = None,
+    domain_field: str | None = None,
+    max_texts: int | None = None,
+) -> int:
+    """Read the corpus through once before any model is loaded: every row by :func:`read_corpus`'s
+    rules, and at least one text (of the first ``max_texts``) with something to route. Returns
+    the number of texts the report will use (also the progress bar's total)."""
+    n = routable = 0
+    for text, _ in read_corpus(path, text_field=text_field, domain_field=domain_field):
+        if max_texts is not None and n >= max_texts:
+            break
+        n += 1
+        routable += bool(text.strip())
+    if routable == 0:
+        first = f"the first {n} texts" if max_texts is not None else f"all {n} texts"
+        raise ValueError(f"corpus {path}: {first} are empty (or only whitespace); there is nothing to route")
+    return n
+
+
 def selection_scorers(embedder) -> list[Callable[[np.ndarray], np.ndarray]] | None:
     """Per MoE layer, a function from router logits ``[T, E]`` to the scores the router ranks for
     its top-k, or ``None`` when every layer ranks by its logits (softmax, plain top-k).
@@ -738,29 +760,50 @@ def _json_value(value):
     raise TypeError(f"report value of type {type(value).__name__} is not JSON serialisable")
 
 
-def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``report.json`` and the self-contained ``report.html`` into ``out_dir``."""
-    import os
+#: the files of a report folder; ``write_report`` replaces a folder holding only these
+REPORT_FILES = ("report.json", "report.html")
+
+
+def check_report_folder(out_dir: str | Path, *, overwrite: bool) -> Path:
+    """Refuse a report folder before any work: a file, a folder holding anything but a report (it
+    is replaced as a whole, so nothing else may be in it), an existing report without
+    ``overwrite``, a place that cannot be written."""
+    from moee.io import check_output_folder
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
+        if foreign:
+            raise FileExistsError(
+                f"report folder {out} holds files that are not a report ({', '.join(foreign[:5])}); "
+                "give the report a folder of its own"
+            )
+    return check_output_folder(out, overwrite=overwrite, what="report folder")
+
+
+def write_report(report: dict, out_dir: str | Path, *, overwrite: bool = True) -> dict[str, Path]:
+    """Write ``report.json`` and the self-contained ``report.html`` as the folder ``out_dir``.
+
+    Both files go to a unique hidden folder beside ``out_dir`` that replaces it by rename once
+    complete (`moee.io.StagedFolder`): a run killed midway leaves no ``out_dir`` with a new
+    ``report.json`` beside an old ``report.html``, and a reader never sees half a file. An existing
+    report folder is replaced (``overwrite=False``: refused); a folder that holds anything other
+    than a report is refused, so nothing else is ever deleted.
+    """
+    from moee.io import StagedFolder
+
+    out = check_report_folder(out_dir, overwrite=overwrite)
     ids = [s.id for s in registry.SECTIONS]
     missing = [s for s in ids if s not in report]
     if missing:
         raise ValueError(f"report is missing sections: {missing}")
     # the sections in registry order, then anything else the report carries (``compare``)
     report = {**{s: report[s] for s in ids}, **report}
-    json_path, html_path = out / "report.json", out / "report.html"
-    # compact: the token view and the per-expert tables are long lists that indentation would
-    # spread over one line per number (several times the size); written to a temporary file and
-    # renamed, so a reader never sees half a report
-    tmp = out / f".report.json.{os.getpid()}.tmp"  # plain open(): the user's umask, like every result file
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+    html = render_html(report)  # before anything is written: a page that fails leaves nothing
+    with StagedFolder(out) as staging:
+        # compact: the token view and the per-expert tables are long lists that indentation would
+        # spread over one line per number (several times the size)
+        with open(staging / "report.json", "w", encoding="utf-8") as fh:
             json.dump(report, fh, separators=(",", ":"), default=_json_value)
-        os.replace(tmp, json_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    html_path.write_text(render_html(report), encoding="utf-8")
-    return {"json": json_path, "html": html_path}
+        (staging / "report.html").write_text(html, encoding="utf-8")
+    return {"json": out / "report.json", "html": out / "report.html"}
