@@ -74,13 +74,12 @@ def register(subparsers) -> None:
         metavar="I,J,...",
         help="depth up-scaling first: the new layer list as old layer indices, e.g. 0,1,2,3,2,3,4,5",
     )
-    from moee.moe.gate_registry import GATES
-
     p.add_argument(
         "--router",
-        choices=tuple(GATES),
+        choices=_GateNames(),
+        metavar="GATE",  # a metavar keeps argparse from listing the choices (importing torch) at start-up
         default="noisy_top_k",
-        help="the gate, any of moee.moe.gate_registry.GATES, as in moee train's model.router_type "
+        help="the gate: %(choices)s (moee.moe.gate_registry.GATES, as in moee train's model.router_type) "
         "(default %(default)s, without noise: deterministic top-k; loss_free: top-k with a "
         "loss-free balancing bias)",
     )
@@ -272,3 +271,19 @@ def _adapt_tokenizer(model, tokenizer, args: argparse.Namespace):
     if args.causal and not family_rule(model.config.text_config.model_type).decoder:
         tokenizer = causal_template(tokenizer)
     return tokenizer
+
+
+class _GateNames:
+    """The ``--router`` choices: the names of ``moee.moe.gate_registry.GATES``, read only when argparse
+    checks a value or prints them (the registry imports torch; ``moee --help`` must not)."""
+
+    def _names(self) -> tuple[str, ...]:
+        from moee.moe.gate_registry import GATES
+
+        return tuple(GATES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
