@@ -28,7 +28,9 @@ def test_router_choices_are_the_gate_registry():
     from moee.moe.gate_registry import GATES
 
     parser = build_parser()
-    args = parser.parse_args(["upcycle", "src", "--out", "dst", "--router", "switch"])
+    args = parser.parse_args(
+        ["upcycle", "src", "--out", "dst", "--experts", "4", "--top-k", "2", "--router", "switch"]
+    )
     assert args.router == "switch"
     action = next(
         a
