@@ -348,29 +348,22 @@ def output_lock(path: str | Path, what: str = "") -> Iterator[None]:
     key = os.path.abspath(lock)
     with _HELD_GUARD:
         held = _HELD.get(key)
-        if held is not None:
-            if held[2] != threading.get_ident():
-                raise OutputInUseError(f"another thread is writing {what + ' ' if what else ''}{path}")
-            held[1] += 1
-    if held is not None:
-        try:
-            yield
-        finally:
-            with _HELD_GUARD:
-                held[1] -= 1
-        return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(lock, path, what)
-    with _HELD_GUARD:
-        _HELD[key] = [fd, 1, threading.get_ident()]
+        if held is not None and held[2] != threading.get_ident():
+            raise OutputInUseError(f"another thread is writing {what + ' ' if what else ''}{path}")
+        if held is None:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            held = _HELD[key] = [_acquire(lock, path, what), 0, threading.get_ident()]
+        held[1] += 1
     try:
         yield
     finally:
         with _HELD_GUARD:
-            del _HELD[key]
-        if fd is not None:
-            lock.unlink(missing_ok=True)  # while still holding it: a waiting opener sees a new inode
-            os.close(fd)
+            held[1] -= 1
+            if held[1] == 0:  # the last holder in this thread releases it, whichever came first
+                del _HELD[key]
+                if held[0] is not None:
+                    lock.unlink(missing_ok=True)  # while still locked: a waiting opener sees a new inode
+                    os.close(held[0])
 
 
 def _acquire(lock: Path, path: str | Path, what: str) -> int | None:

@@ -300,6 +300,11 @@ def test_writers_use_unique_temporary_names(tmp_path):
     a, b = EmbeddingWriter(tmp_path / "a.npy"), EmbeddingWriter(tmp_path / "b.npy")
     assert a.partial != b.partial and a.partial.name.startswith(".a.npy.") and a.partial.suffix == ".partial"
     a.abort(), b.abort()
+    first, second = EmbeddingWriter(tmp_path / "d.npy"), EmbeddingWriter(tmp_path / "d.npy")  # one thread
+    first.abort()
+    assert (tmp_path / ".d.npy.lock").exists()  # still held for the second writer
+    second.abort()
+    assert not any(tmp_path.iterdir())
     with pytest.raises(FileExistsError, match="already exists; pass --overwrite"):
         write_embeddings(write_embeddings(tmp_path / "c.npy", np.eye(2), {}), np.eye(2), {}, overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npy", "c.npy.json"]
