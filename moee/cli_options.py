@@ -7,7 +7,9 @@ Each field declares its flag beside itself, in ``dataclasses.field(metadata=...)
 - ``choices``, ``type`` (flag text -> value), ``metavar``;
 - ``default_text``: how the library default reads in ``--help`` (else the default itself);
 - ``group``: a key of :data:`GROUPS` (e.g. the recipe flags);
-- ``flag``: the flag's name when it is not ``--field-name`` (``--allow-bin``).
+- ``flag``: the flag's name when it is not ``--field-name`` (``--allow-bin``);
+- ``repeatable``: the flag may be given several times, its values joined into one tuple (an
+  ensemble of ``--prompt``); ``None`` (``none``) cannot be joined with others.
 
 A bool embedding field becomes ``--<name>`` / ``--no-<name>``; a bool loading field whose default
 is false becomes ``--<name>`` (true: ``--no-<name>``). Adding an embedding option is one ``EmbeddingConfig`` field with this metadata: it
@@ -48,7 +50,9 @@ __all__ = [
 ]
 
 #: The metadata keys a field's flag may declare (others are an error: a typo must not vanish).
-METADATA_KEYS = frozenset({"help", "choices", "type", "metavar", "default_text", "group", "flag"})
+METADATA_KEYS = frozenset(
+    {"help", "choices", "type", "metavar", "default_text", "group", "flag", "repeatable"}
+)
 #: Argument groups fields may name (``group``), by their title in ``--help``.
 GROUPS = {"recipes": "recipes (docs/RECIPES.md)"}
 
@@ -59,6 +63,21 @@ PAPER_HELP = (
     "the paper's configuration as explicit flags (MoEE sum, PromptEOL, last token, softmax scores) "
     "instead of the model's; other flags given override it (evaluate: for every method of --methods)"
 )
+
+
+class _Repeated(argparse.Action):
+    """A repeatable flag: one value as given, several joined into one tuple (each value may itself
+    be a tuple, e.g. a JSON list of prompts)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        key = "_repeated_" + self.dest  # per parse: the values given so far
+        given = getattr(namespace, key, None) or []
+        given.append(values)
+        setattr(namespace, key, given)
+        if len(given) > 1 and any(v is None for v in given):
+            parser.error(f"{option_string} none cannot be combined with other {option_string} values")
+        joined = tuple(item for v in given for item in (v if isinstance(v, tuple) else (v,)))
+        setattr(namespace, self.dest, values if len(given) == 1 else joined)
 
 
 def _flag_name(f: Field, explicit: bool) -> str:
@@ -111,6 +130,8 @@ def add_field_arguments(
             for key in ("choices", "type", "metavar"):
                 if key in meta:
                     kwargs[key] = meta[key]
+            if meta.get("repeatable"):
+                kwargs["action"] = _Repeated
         target = parser
         if "group" in meta:
             title = GROUPS[meta["group"]]

@@ -6,9 +6,12 @@ every MoEE method is built for. ``metric="ip"`` keeps raw inner products.
 
 Ids are row positions in the order vectors were added (0, 1, ...), so they index directly
 into the embeddings/texts files. ``save`` writes the faiss index with ``faiss.write_index``
-plus a JSON sidecar (``<path>.json``: kind, dim, count, metric, nlist, nprobe and the SHA-256 of
-the index file), committed as a pair (``moee.io.commit_with_sidecar``); ``load`` checks both, so a
-truncated, corrupted or mismatched pair is reported instead of silently searched.
+plus a JSON sidecar (``<path>.json``: kind, dim, count, metric, nlist, nprobe, the SHA-256 of
+the index file, the ``data_sha256`` of the embeddings it was built from (``source``) and its own
+content digest), committed as a pair (``moee.io.commit_with_sidecar``); ``load`` checks both, so a
+truncated, corrupted, edited or mismatched pair is reported instead of silently searched, and
+:meth:`VectorIndex.check_source` refuses an index built from other embeddings of the same shape.
+An index sidecar of the previous format (``moee-index/2``) is read with a warning.
 
 The GPU is used when the GPU build of faiss is installed and a GPU is visible
 (``device="auto"``); ``device="cpu"``/``"gpu"`` force a choice.
@@ -17,7 +20,9 @@ The GPU is used when the GPU build of faiss is installed and a GPU is visible
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -30,7 +35,8 @@ METRICS = ("cosine", "ip")
 DEVICES = ("auto", "cpu", "gpu")
 #: faiss GPU indexes cannot return more neighbours than this per query.
 GPU_MAX_K = 2048
-SIDECAR_FORMAT = "moee-index/2"
+SIDECAR_FORMAT = "moee-index/3"
+LEGACY_SIDECAR_FORMATS = ("moee-index/2",)
 
 
 def gpu_available() -> bool:
@@ -97,6 +103,9 @@ class VectorIndex:
         self.nlist = check_positive_int("nlist", nlist) if nlist is not None else None
         self.nprobe = check_positive_int("nprobe", nprobe) if nprobe is not None else None
         self._index: faiss.Index | None = None
+        #: what the index was built from (``{"data_sha256", "path"}`` of its embeddings), when known
+        self.source: dict[str, Any] | None = None
+        self.path: Path | None = None  # the file it was loaded from
         if kind == "flat":
             self._set_index(faiss.IndexFlatIP(self.dim))
         elif self.nlist is not None:
@@ -223,15 +232,33 @@ class VectorIndex:
         return scores, ids
 
     # persistence ------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
-        """Write the index to ``path`` and its description to ``<path>.json``."""
+    def save(self, path: str | Path, *, source: dict[str, Any] | None = None, overwrite: bool = True) -> Path:
+        """Write the index to ``path`` and its description to ``<path>.json``. ``source``: what it
+        was built from (``{"data_sha256": ..., "path": ...}`` of the embeddings file; default
+        :attr:`source`), checked by :meth:`check_source` after loading. ``overwrite=False`` refuses
+        an existing index."""
+        from moee.io import output_lock, temporary_path
+
         if self._index is None:
             raise ValueError("the IVF index has no cells yet: train it before saving")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        source = source if source is not None else self.source
         cpu_index = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
-        partial = path.with_name(path.name + ".partial")
-        faiss.write_index(cpu_index, str(partial))
+        with output_lock(path):
+            if not overwrite and path.exists():
+                raise FileExistsError(f"index {path} already exists; pass --overwrite to replace it")
+            partial = temporary_path(path)
+            try:
+                faiss.write_index(cpu_index, str(partial))
+                saved = self._commit(partial, path, source, overwrite)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+        self.source = source
+        return saved
+
+    def _commit(self, partial: Path, path: Path, source: dict[str, Any] | None, overwrite: bool) -> Path:
         meta = {
             "format": SIDECAR_FORMAT,
             "kind": self.kind,
@@ -242,8 +269,29 @@ class VectorIndex:
             "nprobe": self.nprobe,
             "faiss": faiss.__version__,
             "sha256": file_sha256(partial),
+            "source": source,
         }
-        return commit_with_sidecar(partial, path, meta)
+        return commit_with_sidecar(partial, path, meta, overwrite=overwrite)
+
+    def check_source(self, data_sha256: str | None, embeddings: Any = "the embeddings") -> None:
+        """Refuse an index that was not built from embeddings whose data hash is ``data_sha256``
+        (another corpus of the same shape would give other neighbours with no sign of it); an index
+        saved without a record of its source is searched with a warning."""
+        recorded = (self.source or {}).get("data_sha256")
+        if recorded is None:
+            warnings.warn(
+                f"index {self.path or ''} records no source embeddings: it cannot be checked against "
+                f"{embeddings}; save it again with moee search --save-index",
+                stacklevel=2,
+            )
+            return
+        if recorded != data_sha256:
+            built = (self.source or {}).get("path")
+            raise ValueError(
+                f"index {self.path or ''} was built from other embeddings"
+                f"{f' ({built})' if built else ''} than {embeddings} (data_sha256 {recorded[:12]} vs "
+                f"{str(data_sha256)[:12]}); rebuild it from {embeddings} (--save-index), or load the one built from them"
+            )
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "auto", nprobe: int | None = None) -> VectorIndex:
@@ -256,6 +304,7 @@ class VectorIndex:
             kind="index",
             missing=f"index sidecar {sidecar} is missing (written by VectorIndex.save)",
             remedy="save the index again",
+            legacy=LEGACY_SIDECAR_FORMATS,
             format_hint=lambda found: "; save the index again",
         )
         if file_sha256(path) != meta.get("sha256"):
@@ -277,6 +326,8 @@ class VectorIndex:
             device=device,
         )
         index.nlist = meta.get("nlist")
+        index.source = meta.get("source")
+        index.path = path
         index._set_index(raw)
         index._apply_nprobe()
         return index

@@ -20,11 +20,21 @@ the SHA-256 of the array data (``data_sha256``) and the run record of ``moee.pro
 ``EmbeddingWriter`` appends rows as they are computed and writes the final ``.npy`` header on
 close, so output size is not bounded by memory either.
 
-The pair is committed together (:func:`commit_with_sidecar`, also used for saved indexes): the sidecar is written under a
-temporary name, the old sidecar removed, then the array and the sidecar renamed into place. A
-crash at any point leaves either the old pair, or an array without a sidecar (an error on read),
-never new rows described by old settings; ``read_embeddings`` checks the content hash, so a
-corrupted or swapped array is an error too.
+The sidecar also records what the rows depend on, so a reader can check them: the texts
+(``texts_sha256``, :class:`TextsDigest`, over the texts as read, in order), the model's weights
+(``weights_digest``) and a reference's statistics (``reference_sha256``); its own content is covered
+by ``sidecar_sha256`` (:func:`seal`, the SHA-256 of its canonical JSON without that key), so an
+edited setting is refused on read. A sidecar of the previous format (``moee-embeddings/2``, before
+these digests) is still read, with a warning that it cannot be checked.
+
+The pair is committed together (:func:`commit_with_sidecar`, also used for saved indexes and
+references): rows go to a temporary name unique to the writer (:func:`temporary_path`), the
+sidecar is written under another, the old sidecar removed, then the array and the sidecar renamed
+into place, all while holding the output's lock (:func:`output_lock`: one writer per output at a
+time, across processes; POSIX ``flock``, released by the kernel when a process dies). A crash at
+any point leaves either the old pair, or an array without a sidecar (an error on read), or hidden
+``.NAME.PID.XXXX.partial`` files, never new rows described by old settings; ``read_embeddings``
+checks the content hash, so a corrupted or swapped array is an error too.
 """
 
 from __future__ import annotations
@@ -32,8 +42,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import struct
+import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +60,11 @@ TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 DEFAULT_FIELD = "text"
-SIDECAR_FORMAT = "moee-embeddings/2"
+SIDECAR_FORMAT = "moee-embeddings/3"
+#: Embeddings sidecar formats still read, with a warning: they carry no content digest.
+LEGACY_SIDECAR_FORMATS = ("moee-embeddings/2",)
+#: The key of a sidecar's digest of its own content (:func:`seal`).
+SEAL_KEY = "sidecar_sha256"
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,6 +205,39 @@ def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
+class TextsDigest:
+    """SHA-256 of a sequence of texts in order (each text's UTF-8 bytes, length-prefixed), computed
+    as they stream past: what an embeddings file records as ``texts_sha256`` and ``moee search``
+    checks ``--texts`` against. It depends on the texts only, not on the file format or field."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self.count = 0
+
+    def update(self, text: str) -> None:
+        data = text.encode("utf-8", "surrogatepass")  # never raises; bad text is refused elsewhere
+        self._sha.update(len(data).to_bytes(8, "little"))
+        self._sha.update(data)
+        self.count += 1
+
+    def wrap(self, texts: Iterable[str]) -> Iterator[str]:
+        """``texts`` unchanged, each one hashed as it passes."""
+        for text in texts:
+            self.update(text)
+            yield text
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def texts_digest(texts: Iterable[str]) -> tuple[str, int]:
+    """``(texts_sha256, count)`` of ``texts`` (:class:`TextsDigest`), streaming."""
+    digest = TextsDigest()
+    for text in texts:
+        digest.update(text)
+    return digest.hexdigest(), digest.count
+
+
 # ----------------------------------------------------------------------------------------
 # metadata
 # ----------------------------------------------------------------------------------------
@@ -210,10 +261,41 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+def content_digest(doc: dict[str, Any], key: str = SEAL_KEY) -> str:
+    """SHA-256 of ``doc``'s canonical JSON (sorted keys, no spaces) without its own ``key``."""
+    body = json.loads(json.dumps({k: v for k, v in doc.items() if k != key}, default=_json_default))
+    return hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    ).hexdigest()
+
+
+def seal(doc: dict[str, Any], key: str = SEAL_KEY) -> dict[str, Any]:
+    """A copy of ``doc`` with its :func:`content_digest` under ``key`` (last), so an edit is detected."""
+    body = {k: v for k, v in doc.items() if k != key}
+    return {**body, key: content_digest(body, key)}
+
+
+def check_seal(doc: dict[str, Any], path: str | Path, *, remedy: str, key: str = SEAL_KEY) -> None:
+    """``ValueError`` naming ``path`` unless ``doc`` carries its own correct :func:`content_digest`."""
+    if key not in doc:
+        raise ValueError(f"{path} has no {key} (its content cannot be checked); {remedy}")
+    if doc[key] != content_digest(doc, key):
+        raise ValueError(
+            f"{path} was changed after it was written (its {key} does not match its content); {remedy}"
+        )
+
+
+def temporary_path(path: str | Path, kind: str = "partial") -> Path:
+    """A hidden name beside ``path`` unique to this writer (``.NAME.PID.RANDOM.kind``): two writers
+    of one output never share a file, and nothing under it can be taken for a finished result."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}")
+
+
 def _write_json_tmp(path: Path, data: dict[str, Any]) -> Path:
     """``data`` as JSON in a temporary file beside ``path``, flushed to disk; returns the temp path."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
+    tmp = temporary_path(path, "tmp")
+    with open(tmp, "x") as f:
         f.write(json.dumps(data, indent=2, default=_json_default) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -238,22 +320,136 @@ def npy_data_offset(path: str | Path) -> int:
         return f.tell()
 
 
-def commit_with_sidecar(partial: str | Path, path: str | Path, metadata: dict[str, Any]) -> Path:
-    """Move a finished ``partial`` file to ``path`` together with its JSON sidecar ``metadata``.
+class OutputInUseError(FileExistsError):
+    """Another writer (this or another process) holds the output's lock."""
 
-    Order: sidecar to a temporary file, old sidecar removed, array renamed, sidecar renamed. A crash
-    in between leaves an array without a sidecar (refused on read), never a stale pairing.
+
+try:  # POSIX; elsewhere outputs are not locked, and unique temporary names still keep writers apart
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+_HELD: dict[str, list[Any]] = {}  # lock file -> [fd, depth, owning thread]
+_HELD_GUARD = threading.Lock()
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file of an output (``.NAME.lock`` beside it; removed when its writer finishes)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextmanager
+def output_lock(path: str | Path, what: str = "") -> Iterator[None]:
+    """Hold ``path``'s lock for the block, or raise :class:`OutputInUseError` at once when another
+    writer holds it (``what``: how the error names the output, e.g. ``"--out"``). Re-entrant within
+    a thread; the kernel releases it when the process dies, so a kill leaves no stale lock."""
+    lock = lock_path(path)
+    key = os.path.abspath(lock)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None and held[2] != threading.get_ident():
+            raise OutputInUseError(f"another thread is writing {what + ' ' if what else ''}{path}")
+        if held is None:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            held = _HELD[key] = [_acquire(lock, path, what), 0, threading.get_ident()]
+        held[1] += 1
+    try:
+        yield
+    finally:
+        with _HELD_GUARD:
+            held[1] -= 1
+            if held[1] == 0:  # the last holder in this thread releases it, whichever came first
+                del _HELD[key]
+                if held[0] is not None:
+                    lock.unlink(missing_ok=True)  # while still locked: a waiting opener sees a new inode
+                    os.close(held[0])
+
+
+def _acquire(lock: Path, path: str | Path, what: str) -> int | None:
+    if fcntl is None:  # pragma: no cover
+        return None
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise OutputInUseError(
+                f"another process{f' (pid {holder})' if holder else ''} is writing {what + ' ' if what else ''}"
+                f"{path} (it holds {lock}); wait for it to finish or choose another output"
+            ) from None
+        try:  # the previous holder may have removed the file between our open and our lock
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def check_output_path(path: str | Path, *, overwrite: bool, what: str = "--out") -> Path:
+    """Refuse an output file that could not be written, before any work is done.
+
+    A directory, an existing file (unless ``overwrite``), an output another writer holds, and a
+    parent that cannot be created or written to are errors naming the path (``what``: the flag);
+    the check writes and removes a probe file.
     """
     path = Path(path)
-    sidecar = sidecar_path(path)
-    tmp = _write_json_tmp(sidecar, metadata)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {path} is a directory; give the path of a file")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{what} {path} already exists; pass --overwrite to replace it")
+    probe_writable(path.parent, temporary_path(path, "probe"), f"cannot write {what} {path}")
+    with output_lock(path, what):  # fails at once when another run is writing it
+        pass
+    return path
+
+
+def probe_writable(directory: Path, probe: Path, message: str) -> None:
+    """Create ``directory`` and write and remove ``probe`` in it, so an unwritable output fails
+    before any work; ``message`` starts the error."""
     try:
-        sidecar.unlink(missing_ok=True)
-        os.replace(partial, path)
-        os.replace(tmp, sidecar)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{message}: {exc.strerror or exc} ({exc.filename or directory})") from None
+
+
+def commit_with_sidecar(
+    partial: str | Path,
+    path: str | Path,
+    metadata: dict[str, Any],
+    *,
+    sidecar: str | Path | None = None,
+    overwrite: bool = True,
+) -> Path:
+    """Move a finished ``partial`` file to ``path`` together with its JSON sidecar ``metadata``
+    (sealed, :func:`seal`; ``sidecar``: its path, default :func:`sidecar_path`).
+
+    Under the output's lock: sidecar to a temporary file, old sidecar removed, array renamed,
+    sidecar renamed. A crash in between leaves an array without a sidecar (refused on read), never
+    a stale pairing. ``overwrite=False`` refuses an output that appeared meanwhile (the partial
+    file is removed).
+    """
+    path = Path(path)
+    sidecar = Path(sidecar) if sidecar is not None else sidecar_path(path)
+    with output_lock(path):
+        if not overwrite and (path.exists() or sidecar.exists()):
+            Path(partial).unlink(missing_ok=True)
+            raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
+        tmp = _write_json_tmp(sidecar, seal(metadata))
+        try:
+            sidecar.unlink(missing_ok=True)
+            os.replace(partial, path)
+            os.replace(tmp, sidecar)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return path
 
 
@@ -277,22 +473,34 @@ def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
 class EmbeddingWriter:
     """Append float32 rows to ``path`` (.npy) as they are computed; ``close`` finalises.
 
-    Rows go to ``<path>.partial`` and the file is committed with its sidecar (see
-    :func:`commit_with_sidecar`) only on a successful ``close``: an existing ``path`` with its
-    sidecar is always complete, which is what resuming a crashed sharded run relies on. The data
-    is hashed as it is written, so the sidecar's ``data_sha256`` costs no second read.
+    Rows go to a temporary name unique to this writer (:func:`temporary_path`) and the file is
+    committed with its sidecar (see :func:`commit_with_sidecar`) only on a successful ``close``: an
+    existing ``path`` with its sidecar is always complete, which is what resuming a crashed sharded
+    run relies on. The writer holds the output's lock from creation to ``close`` / ``abort``, so a
+    second writer of the same output is refused at once (:class:`OutputInUseError`);
+    ``overwrite=False`` refuses an existing output. The data is hashed as it is written, so the
+    sidecar's ``data_sha256`` costs no second read.
     """
 
-    def __init__(self, path: str | Path, *, dim: int | None = None) -> None:
+    def __init__(self, path: str | Path, *, dim: int | None = None, overwrite: bool = True) -> None:
         self.path = Path(path)
         if self.path.suffix != ".npy":
             raise ValueError(f"embeddings are written as .npy; got output path {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.overwrite = overwrite
+        self._lock = output_lock(self.path)
+        self._lock.__enter__()
+        try:
+            if not overwrite and self.path.exists():
+                raise FileExistsError(f"{self.path} already exists; pass --overwrite to replace it")
+            self.partial = temporary_path(self.path)
+            self._file = open(self.partial, "xb")
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
         self.dim = dim
         self.rows = 0
         self._digest = hashlib.sha256()
-        self._file = open(self.partial, "wb")
         self._file.write(_npy_header((0, dim or 0), np.dtype(np.float32)))
 
     def write(self, rows: np.ndarray) -> None:
@@ -315,14 +523,26 @@ class EmbeddingWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        meta = sidecar_metadata(metadata, (self.rows, self.dim or 0), self._digest.hexdigest())
-        return commit_with_sidecar(self.partial, self.path, meta)
+        try:
+            meta = sidecar_metadata(metadata, (self.rows, self.dim or 0), self._digest.hexdigest())
+            return commit_with_sidecar(self.partial, self.path, meta, overwrite=self.overwrite)
+        except BaseException:
+            self.partial.unlink(missing_ok=True)
+            raise
+        finally:
+            self._release()
 
     def abort(self) -> None:
         """Discard a partial file (after an error)."""
         if not self._file.closed:
             self._file.close()
         self.partial.unlink(missing_ok=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            lock.__exit__(None, None, None)
 
     def __enter__(self) -> EmbeddingWriter:
         return self
@@ -340,7 +560,8 @@ def sidecar_metadata(metadata: dict[str, Any] | None, shape: tuple[int, int], sh
     ``array_dtype`` is the file's dtype; the model's weights dtype is a separate setting
     (``model_dtype``), so one never overwrites the other.
     """
-    meta = {"format": SIDECAR_FORMAT, **(metadata or {})}
+    given = {k: v for k, v in (metadata or {}).items() if k not in ("format", SEAL_KEY)}
+    meta = {"format": SIDECAR_FORMAT, **given}
     if "dtype" in meta:
         raise ValueError("sidecar metadata: use model_dtype for the model's dtype (array_dtype is set here)")
     meta["array_dtype"] = "float32"
@@ -351,13 +572,17 @@ def sidecar_metadata(metadata: dict[str, Any] | None, shape: tuple[int, int], sh
 
 
 def write_embeddings(
-    path: str | Path, embeddings: np.ndarray, metadata: dict[str, Any] | None = None
+    path: str | Path,
+    embeddings: np.ndarray,
+    metadata: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = True,
 ) -> Path:
     """Write a whole matrix (float32) and its sidecar in one call."""
     arr = np.asarray(embeddings)
     if arr.ndim != 2:
         raise ValueError(f"embeddings must be 2-D [n, dim], got shape {arr.shape}")
-    writer = EmbeddingWriter(path, dim=arr.shape[1])
+    writer = EmbeddingWriter(path, dim=arr.shape[1], overwrite=overwrite)
     try:
         writer.write(arr)
     except BaseException:
@@ -373,25 +598,37 @@ def read_sidecar(
     kind: str,
     missing: str,
     remedy: str,
+    legacy: tuple[str, ...] = (),
     format_hint: Callable[[Any], str] = lambda found: "",
 ) -> dict[str, Any]:
-    """A JSON sidecar of format ``fmt``, or an error naming it: ``missing`` when it does not exist,
-    invalid JSON with ``remedy``, another format with ``format_hint(found format)`` appended
-    (``kind``: what the sidecar describes). Shared by embeddings files and saved indexes."""
+    """A JSON sidecar of format ``fmt`` whose own content digest (:func:`check_seal`) is right, or
+    an error naming it: ``missing`` when it does not exist, invalid JSON or an edited sidecar with
+    ``remedy``, another format with ``format_hint(found format)`` appended (``kind``: what the sidecar
+    describes). A ``legacy`` format (written before sidecars were sealed) is read with a warning
+    that it cannot be checked. Shared by embeddings files and saved indexes."""
     if not sidecar.is_file():
         raise FileNotFoundError(missing)
     try:
         meta = json.loads(sidecar.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{sidecar} is not valid JSON ({exc}); {remedy}") from None
-    if not isinstance(meta, dict) or meta.get("format") != fmt:
-        found = meta.get("format") if isinstance(meta, dict) else None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found in legacy:
+        warnings.warn(
+            f"{sidecar} was written by an older moee (format {found}) without content digests: its "
+            f"settings, texts and model cannot be checked; {remedy} to get one that can",
+            stacklevel=3,
+        )
+        return meta
+    if found != fmt:
         raise ValueError(f"{sidecar} is not a moee {kind} sidecar (format {found!r}){format_hint(found)}")
+    check_seal(meta, sidecar, remedy=remedy)
     return meta
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The sidecar of an embeddings file (``FileNotFoundError`` naming it when missing)."""
+    """The sidecar of an embeddings file (``FileNotFoundError`` naming it when missing; an edited
+    sidecar is an error, one of the previous format a warning)."""
     sidecar = sidecar_path(path)
     return read_sidecar(
         sidecar,
@@ -399,6 +636,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         kind="embeddings",
         missing=f"sidecar {sidecar} is missing; embeddings files are written by `moee embed`",
         remedy="re-run `moee embed`",
+        legacy=LEGACY_SIDECAR_FORMATS,
         format_hint=lambda found: (
             "; it was written by an older moee, re-run `moee embed`" if found == "moee-embeddings/1" else ""
         ),
@@ -460,10 +698,21 @@ __all__ = [
     "commit_folder",
     "match_folder_modes",
     "staging_folder",
+    "OutputInUseError",
+    "TextsDigest",
     "batched",
     "check_embeddings_file",
     "check_input_file",
+    "check_output_path",
+    "check_seal",
     "commit_with_sidecar",
+    "content_digest",
+    "lock_path",
+    "output_lock",
+    "probe_writable",
+    "seal",
+    "temporary_path",
+    "texts_digest",
     "file_sha256",
     "npy_data_offset",
     "sidecar_metadata",

@@ -198,6 +198,14 @@ def check_model_source(name_or_path: str | Path) -> None:
         )
 
 
+def _not_found_on_hub(name: str, why: str) -> str:
+    """The error of a model name that is neither a local directory nor loadable from the Hub."""
+    return (
+        f"model {name!r} is not a local directory, and {why}; check the name (a Hub id such as "
+        f"org/name, or a model directory), or download it while online (huggingface-cli download {name})"
+    )
+
+
 def load_causal_lm(
     name_or_path: str | Path,
     *,
@@ -381,12 +389,24 @@ def load_model(
     missing = tokenizer and source.name is None and fallback_tokenizer is None
     if missing and (Path(name).expanduser() / "config.json").is_file():  # before reading the weights
         raise _no_tokenizer(name)
-    model = load_causal_lm(
-        name,
-        trust_remote_code=options.trust_remote_code,
-        allow_pickle_weights=options.allow_pickle_weights,
-        **{**options.hf_kwargs(), **extra, **hf_kwargs},
-    )
+    try:
+        model = load_causal_lm(
+            name,
+            trust_remote_code=options.trust_remote_code,
+            allow_pickle_weights=options.allow_pickle_weights,
+            **{**options.hf_kwargs(), **extra, **hf_kwargs},
+        )
+    except OSError as exc:  # a Hub name that cannot be fetched: said plainly, not a raw traceback
+        if Path(name).expanduser().exists():
+            raise
+        from huggingface_hub import is_offline_mode
+
+        why = (
+            "the Hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache"
+            if is_offline_mode()
+            else f"it could not be loaded from the Hugging Face Hub ({str(exc).splitlines()[0]})"
+        )
+        raise FileNotFoundError(_not_found_on_hub(name, why)) from exc
     if "device_map" not in hf_kwargs and options.device_map is None:
         model.to(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not tokenizer:

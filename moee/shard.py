@@ -15,12 +15,14 @@ needed, processes coordinate through files only:
   mixing shards (an input with rows reordered or edited in place is a different input). The
   merge adds ``shards``: each shard's content hash, as merged.
 - ``DIR/shard-RRRRR-of-WWWWW.npy`` (+ ``.npy.json`` with ``rows = {start, step, count}``, i.e.
-  input rows ``start, start+step, ...``, and ``data_sha256``): written to ``.partial`` and
-  committed with its sidecar when complete, so after a crash a rerun of the same command skips
+  input rows ``start, start+step, ...``, ``data_sha256`` and the whole input's ``texts_sha256``):
+  written under a temporary name unique to its process while holding the shard's lock (a second
+  process of the same rank is refused) and committed with its sidecar when complete, so after a crash a rerun of the same command skips
   every complete shard. A shard whose size or content hash does not match its sidecar (flipped
   bytes, truncation) is not complete: the rerun recomputes it and the merge refuses it by name.
 - ``DIR/embeddings.npy`` (+ sidecar): the merge, rows in input order; rank 0 writes it once
-  every shard is complete (or run ``moee embed --merge DIR --out OUT.npy``).
+  every shard is complete (or run ``moee embed --merge DIR --out OUT.npy``). Shards that disagree
+  on the input texts or the model weights are not merged.
 """
 
 from __future__ import annotations
@@ -38,17 +40,20 @@ import numpy as np
 
 from moee.io import (
     EmbeddingWriter,
+    TextsDigest,
     batched,
     check_embeddings_file,
     commit_with_sidecar,
     file_sha256,
     npy_data_offset,
     npy_shape,
+    output_lock,
     read_metadata,
     read_texts,
     run_metadata,
     sidecar_metadata,
     sidecar_path,
+    temporary_path,
     write_json_atomic,
 )
 
@@ -121,16 +126,33 @@ def select_rows(texts: Iterable[str], rank: int, world: int) -> Iterator[tuple[i
 # streaming embedding
 # ----------------------------------------------------------------------------------------
 class _Counter:
-    """Counts every input row, also those other shards own (needed to check the merge)."""
+    """Counts and hashes every input row, also those other shards own (needed to check the merge,
+    and recorded as the run's ``texts_sha256``)."""
 
     def __init__(self, items: Iterable[str]) -> None:
         self.items = items
-        self.count = 0
+        self.digest = TextsDigest()
+
+    @property
+    def count(self) -> int:
+        return self.digest.count
 
     def __iter__(self) -> Iterator[str]:
-        for item in self.items:
-            self.count += 1
-            yield item
+        return self.digest.wrap(self.items)
+
+
+class _PerTextBar:
+    """The run's progress bar as the encoder sees it: an ensemble of ``passes`` prompts reports
+    each text once per prompt, the bar counts it once."""
+
+    def __init__(self, bar: Any, passes: int) -> None:
+        self.bar, self.passes, self._pending = bar, max(1, passes), 0
+
+    def update(self, n: int = 1) -> None:
+        self._pending += n
+        whole, self._pending = divmod(self._pending, self.passes)
+        if whole:
+            self.bar.update(whole)
 
 
 def embed_stream(
@@ -141,23 +163,31 @@ def embed_stream(
     *,
     chunk_size: int = 4096,
     progress: bool | None = None,
+    total: int | None = None,
+    overwrite: bool = True,
 ) -> Path:
     """Embed ``texts`` chunk by chunk into ``out_path`` (.npy + sidecar), in order.
 
     ``metadata`` may be a callable taking the number of rows written; it is called after the
-    input is exhausted, so it can record facts known only then.
+    input is exhausted, so it can record facts known only then. The progress bar counts texts
+    (of ``total``, with an ETA): an encoder with a ``progress`` attribute (``moee embed``'s) is given
+    the bar and moves it per batch, any other moves it per chunk. ``overwrite=False`` refuses an
+    existing ``out_path`` (:class:`moee.io.EmbeddingWriter`).
     """
     from tqdm.auto import tqdm
 
-    writer = EmbeddingWriter(out_path)
+    writer = EmbeddingWriter(out_path, overwrite=overwrite)
     try:
-        with tqdm(desc="embedding", unit="text", disable=None if progress is None else not progress) as bar:
+        disable = None if progress is None else not progress
+        with tqdm(desc="embedding", unit="text", total=total, disable=disable) as bar:
+            if hasattr(encode, "progress"):
+                encode.progress = bar
             for chunk in batched(texts, chunk_size):
                 vectors = encode(chunk)
                 if len(vectors) != len(chunk):
                     raise ValueError(f"encoder returned {len(vectors)} rows for {len(chunk)} texts")
                 writer.write(vectors)
-                bar.update(len(chunk))
+                bar.update(writer.rows - bar.n)  # exact after every chunk, however the encoder moved it
         meta = metadata(writer.rows) if callable(metadata) else metadata
     except BaseException:
         writer.abort()
@@ -261,16 +291,37 @@ def embed_shard(
     chunk_size: int = 4096,
     metadata: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     progress: bool | None = None,
+    total_rows: int | None = None,
 ) -> Path | None:
     """Embed this process' rows of ``input_path`` into ``out_dir``; ``None`` if already done.
 
     ``settings`` (everything that changes the numbers) goes into the manifest and every
     sidecar; ``metadata`` adds sidecar-only facts (resolved model path, batch size), or is a
     callable giving them once every row is embedded (e.g. the number of truncated texts).
+    Every shard's sidecar records the digest of the whole input's texts (``texts_sha256``).
+    ``total_rows``: the input's row count, for the progress bar's total.
     """
     if prepare_shard_dir(out_dir, input_path, info, settings, field=field):
         return None
     npy = Path(out_dir) / f"{info.name}.npy"
+    with output_lock(npy, "shard"):  # a second process of the same rank is refused, not mixed in
+        return _embed_own_rows(
+            encode, input_path, npy, info, settings, field, chunk_size, metadata, progress, total_rows
+        )
+
+
+def _embed_own_rows(
+    encode: EncodeFn,
+    input_path: str | Path,
+    npy: Path,
+    info: ShardInfo,
+    settings: dict[str, Any],
+    field: str | None,
+    chunk_size: int,
+    metadata: dict[str, Any] | Callable[[], dict[str, Any]] | None,
+    progress: bool | None,
+    total_rows: int | None,
+) -> Path:
     sidecar_path(npy).unlink(missing_ok=True)  # a stale sidecar must never describe the new rows
     counter = _Counter(read_texts(input_path, field=field))
     own = (text for _, text in select_rows(counter, info.rank, info.world))
@@ -279,9 +330,11 @@ def embed_shard(
     def finish(count: int) -> dict[str, Any]:
         rows = {"start": info.rank, "step": info.world, "count": count}
         facts = (metadata() if callable(metadata) else metadata) or {}
-        return {**meta, **facts, "input_rows": counter.count, "rows": rows, "complete": True}
+        texts = {"input_rows": counter.count, "texts_sha256": counter.digest.hexdigest()}
+        return {**meta, **facts, **texts, "rows": rows, "complete": True}
 
-    return embed_stream(encode, own, npy, finish, chunk_size=chunk_size, progress=progress)
+    own_rows = None if total_rows is None else len(range(info.rank, total_rows, info.world))
+    return embed_stream(encode, own, npy, finish, chunk_size=chunk_size, progress=progress, total=own_rows)
 
 
 def wait_for_shards(out_dir: str | Path, world: int, *, timeout: float, poll: float = 2.0) -> None:
@@ -300,9 +353,14 @@ def wait_for_shards(out_dir: str | Path, world: int, *, timeout: float, poll: fl
 
 
 def merge_shards(
-    out_dir: str | Path, out_path: str | Path | None = None, *, command: list[str] | None = None
+    out_dir: str | Path,
+    out_path: str | Path | None = None,
+    *,
+    command: list[str] | None = None,
+    overwrite: bool = True,
 ) -> Path:
-    """Interleave the shards of ``out_dir`` back into input order in ``out_path``."""
+    """Interleave the shards of ``out_dir`` back into input order in ``out_path`` (under its lock,
+    through a temporary name unique to this merge; ``overwrite=False`` refuses an existing one)."""
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST
     if not manifest_path.is_file():
@@ -322,6 +380,10 @@ def merge_shards(
     totals = {m["input_rows"] for m in metas}
     if len(totals) != 1:
         raise ValueError(f"shards disagree on the number of input rows: {sorted(totals)}")
+    for key, what in (("texts_sha256", "input texts"), ("weights_digest", "model weights")):
+        seen = {str(m.get(key)) for m in metas}
+        if len(seen) != 1:  # every shard read the same input with the same model, or none is merged
+            raise ValueError(f"cannot merge {out_dir}: shards disagree on the {what} ({key}: {sorted(seen)})")
     n = totals.pop()
     dims = {npy_shape(p)[1] for p, m in zip(paths, metas) if m["rows"]["count"] > 0}
     if len(dims) != 1:
@@ -337,18 +399,49 @@ def merge_shards(
     out_path = Path(out_path) if out_path is not None else out_dir / MERGED
     if out_path.suffix != ".npy":
         raise ValueError(f"merged embeddings are written as .npy; got {out_path}")
-    partial = out_path.with_name(out_path.name + ".partial")
-    merged = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
-    for r, p in enumerate(paths):
-        if metas[r]["rows"]["count"]:
-            merged[r::world] = np.load(p, mmap_mode="r", allow_pickle=False)
-    merged.flush()
-    del merged
+    with output_lock(out_path):
+        return _merge_into(out_path, out_dir, manifest_path, manifest, paths, metas, n, dim, overwrite)
+
+
+def _merge_into(
+    out_path: Path,
+    out_dir: Path,
+    manifest_path: Path,
+    manifest: dict[str, Any],
+    paths: list[Path],
+    metas: list[dict[str, Any]],
+    n: int,
+    dim: int,
+    overwrite: bool,
+) -> Path:
+    world = len(paths)
+    if not overwrite and out_path.exists():
+        raise FileExistsError(f"{out_path} already exists; pass --overwrite to replace it")
+    partial = temporary_path(out_path)
+    try:
+        merged = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
+        for r, p in enumerate(paths):
+            if metas[r]["rows"]["count"]:
+                merged[r::world] = np.load(p, mmap_mode="r", allow_pickle=False)
+        merged.flush()
+        del merged
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     record = {p.name: m["data_sha256"] for p, m in zip(paths, metas)}
     recorded = json.loads(manifest_path.read_text()).get(_MERGE_RECORD)
     if recorded != record:  # one writer: the merge runs once every shard is complete
         write_json_atomic(manifest_path, {**manifest, _MERGE_RECORD: record})
-    per_file = ("shard", "rows", "complete", "shape", "format", "array_dtype", "data_sha256")
+    per_file = (
+        "shard",
+        "rows",
+        "complete",
+        "shape",
+        "format",
+        "array_dtype",
+        "data_sha256",
+        "sidecar_sha256",
+    )
     keep = {k: v for k, v in metas[0].items() if k not in per_file}
     if all("truncated_texts" in m for m in metas):
         keep["truncated_texts"] = sum(int(m["truncated_texts"]) for m in metas)
@@ -365,4 +458,4 @@ def merge_shards(
         },
     }
     sha = file_sha256(partial, offset=npy_data_offset(partial))
-    return commit_with_sidecar(partial, out_path, sidecar_metadata(meta, (n, dim), sha))
+    return commit_with_sidecar(partial, out_path, sidecar_metadata(meta, (n, dim), sha), overwrite=overwrite)

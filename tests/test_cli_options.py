@@ -134,3 +134,34 @@ def test_flag_metadata_with_a_typo_is_an_error():
     undocumented = make_dataclass("Undocumented", [("x", int, field(default=1))])
     with pytest.raises(TypeError, match="needs 'help'"):
         add_field_arguments(argparse.ArgumentParser(), undocumented, explicit=False)
+
+
+@pytest.mark.parametrize("command", ["embed", "fit-reference"])  # evaluate takes --prompts
+def test_prompt_lists_have_an_unambiguous_form_and_ambiguous_input_is_refused(command, capsys):
+    parser = _subparsers()[command]
+
+    def prompt(*values):
+        return explicit_config(parser.parse_args([*_required(command), *values]))["prompt"]
+
+    ensemble = ("prompteol", "Q: {text}")
+    assert prompt("--prompt", "prompteol", "--prompt", "Q: {text}") == ensemble  # repeated
+    assert prompt("--prompt", '["prompteol", "Q: {text}"]') == ensemble  # a JSON list
+    assert prompt("--prompt", '["a, {text}"]') == "a, {text}"  # one template with a comma
+    assert (
+        prompt("--prompt", "Summarize, briefly: {text}") == "Summarize, briefly: {text}"
+    )  # no reading as a list
+    assert prompt("--prompt", "prompteol,meaning") == ("prompteol", "meaning")  # names
+    assert EmbeddingConfig(prompt=prompt("--prompt", "prompteol", "--prompt", "Q: {text}")).is_ensemble
+    for bad, message in (
+        (["--prompt", "prompteol,Q: {text}"], "is ambiguous: one template with a comma, or an ensemble of 2"),
+        (["--prompt", "Q: {text}, A: {text}"], "is ambiguous"),
+        (["--prompt", "[{text}]"], "looks like a JSON list"),
+        (["--prompt", "none", "--prompt", "prompteol"], "none cannot be combined"),
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*_required(command), *bad])
+        assert message in capsys.readouterr().err
+
+
+def _required(command: str) -> list[str]:
+    return {"embed": ["c.txt", "--out", "e.npy"], "fit-reference": ["c.txt", "--out", "r"]}.get(command, [])

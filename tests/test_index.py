@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moee.index import VectorIndex, default_nlist, gpu_available
+from moee.io import seal
 
 
 def _unit(x):
@@ -116,7 +117,10 @@ def test_load_errors(tmp_path, data):
     path = VectorIndex.build(base[:10], device="cpu").save(tmp_path / "x.faiss")
     sidecar = tmp_path / "x.faiss.json"
     meta = json.loads(sidecar.read_text())
-    sidecar.write_text(json.dumps({**meta, "count": 11}))
+    sidecar.write_text(json.dumps({**meta, "count": 11}))  # an edit: refused by the content digest
+    with pytest.raises(ValueError, match="x.faiss.json was changed after it was written"):
+        VectorIndex.load(path)
+    sidecar.write_text(json.dumps(seal({**meta, "count": 11})))  # consistent, but not the file's
     with pytest.raises(ValueError, match="sidecar says 11"):
         VectorIndex.load(path)
     sidecar.unlink()
@@ -180,3 +184,24 @@ def test_a_corrupted_index_file_is_refused(tmp_path, data):
     (tmp_path / "d.faiss").mkdir()
     with pytest.raises(IsADirectoryError, match="d.faiss is a directory"):
         VectorIndex.load(tmp_path / "d.faiss")
+
+
+def test_an_index_is_bound_to_the_embeddings_it_was_built_from(tmp_path, data):
+    base, _ = data
+    index = VectorIndex.build(base[:50], device="cpu")
+    path = index.save(tmp_path / "x.faiss", source={"data_sha256": "a" * 64, "path": "/corpus.npy"})
+    loaded = VectorIndex.load(path, device="cpu")
+    assert loaded.source == {"data_sha256": "a" * 64, "path": "/corpus.npy"}
+    loaded.check_source("a" * 64, "corpus.npy")
+    with pytest.raises(ValueError, match=r"built from other embeddings \(/corpus.npy\) than other.npy"):
+        loaded.check_source("b" * 64, "other.npy")
+    with pytest.raises(FileExistsError, match="already exists; pass --overwrite"):
+        index.save(path, overwrite=False)
+    sidecar = tmp_path / "x.faiss.json"  # an index sidecar of the previous format: read, with a warning
+    old = {k: v for k, v in json.loads(sidecar.read_text()).items() if k not in ("sidecar_sha256", "source")}
+    sidecar.write_text(json.dumps({**old, "format": "moee-index/2"}))
+    with pytest.warns(UserWarning, match="older moee"):
+        legacy = VectorIndex.load(path, device="cpu")
+    with pytest.warns(UserWarning, match="records no source embeddings"):
+        legacy.check_source("b" * 64, "other.npy")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.faiss", "x.faiss.json"]

@@ -19,7 +19,9 @@ from moee.io import (
     read_metadata,
     read_texts,
     run_metadata,
+    seal,
     sidecar_path,
+    texts_digest,
     write_embeddings,
 )
 
@@ -161,7 +163,7 @@ def test_read_errors(tmp_path):
         read_embeddings(tmp_path / "bare.npy")
     path = write_embeddings(tmp_path / "e.npy", np.zeros((2, 2)), {})
     sidecar = sidecar_path(path)
-    sidecar.write_text(json.dumps({**read_metadata(path), "shape": [3, 2]}))
+    sidecar.write_text(json.dumps(seal({**read_metadata(path), "shape": [3, 2]})))  # consistent, but wrong
     with pytest.raises(ValueError, match="does not match its sidecar: 144 bytes, expected 152"):
         read_embeddings(path)
     with pytest.raises(ValueError, match="sidecar says"):
@@ -227,3 +229,82 @@ def test_a_directory_named_like_a_file_is_reported_as_a_directory(tmp_path):
     (tmp_path / "e.npy").mkdir()
     with pytest.raises(IsADirectoryError, match=r"e.npy is a directory"):
         read_embeddings(tmp_path / "e.npy")
+
+
+def test_an_edited_sidecar_setting_is_refused_by_its_content_digest(tmp_path):
+    path = write_embeddings(
+        tmp_path / "e.npy", np.eye(2, 3, dtype=np.float32), {"method": "moee_sum", "alpha": 1.0}
+    )
+    sidecar = sidecar_path(path)
+    meta = json.loads(sidecar.read_text())
+    assert meta["format"] == "moee-embeddings/3" and len(meta["sidecar_sha256"]) == 64
+    sidecar.write_text(sidecar.read_text().replace('"alpha": 1.0', '"alpha": 9.0'))
+    with pytest.raises(
+        ValueError, match=r"e.npy.json was changed after it was written .*re-run `moee embed`"
+    ):
+        read_embeddings(path)
+    del meta["sidecar_sha256"]  # removing the digest does not make an edit pass either
+    sidecar.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="has no sidecar_sha256"):
+        read_metadata(path)
+
+
+def test_a_sidecar_of_the_previous_format_is_read_with_a_warning(tmp_path):
+    path = write_embeddings(tmp_path / "e.npy", np.eye(2, 3, dtype=np.float32), {"method": "hs"})
+    meta = json.loads(sidecar_path(path).read_text())
+    old = {k: v for k, v in meta.items() if k != "sidecar_sha256"} | {"format": "moee-embeddings/2"}
+    sidecar_path(path).write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="older moee .*cannot be checked"):
+        arr, got = read_embeddings(path)
+    assert got["method"] == "hs" and arr.shape == (2, 3)
+
+
+def test_texts_digest_depends_on_order_and_content_only():
+    a = texts_digest(["x", "y", ""])
+    assert a[1] == 3 and a == texts_digest(iter(["x", "y", ""]))
+    assert (
+        a != texts_digest(["y", "x", ""]) and a != texts_digest(["xy", ""]) and a != texts_digest(["x", "y"])
+    )
+
+
+def test_a_second_writer_of_one_output_is_refused_while_the_first_writes(tmp_path):
+    """Two writers of one output never share a temporary file, and a second one is refused at once
+    (here from another process) instead of mixing rows; the first commits its own rows."""
+    import subprocess
+    import textwrap
+
+    out = tmp_path / "e.npy"
+    first = EmbeddingWriter(out)
+    first.write(np.ones((2, 3), np.float32))
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from moee.io import OutputInUseError, write_embeddings
+        try:
+            write_embeddings({str(out)!r}, np.zeros((5, 3), np.float32), {{}})
+        except OutputInUseError as exc:
+            print("refused:", exc)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "refused: another process" in done.stdout and "is writing" in done.stdout, done.stderr
+    first.close({"who": "first"})
+    arr, meta = read_embeddings(out)
+    np.testing.assert_array_equal(arr, np.ones((2, 3), np.float32))
+    assert meta["who"] == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.npy", "e.npy.json"]  # no lock or partial left
+    second = write_embeddings(out, np.zeros((5, 3), np.float32), {"who": "second"})  # free again
+    assert read_embeddings(second)[1]["who"] == "second"
+
+
+def test_writers_use_unique_temporary_names(tmp_path):
+    a, b = EmbeddingWriter(tmp_path / "a.npy"), EmbeddingWriter(tmp_path / "b.npy")
+    assert a.partial != b.partial and a.partial.name.startswith(".a.npy.") and a.partial.suffix == ".partial"
+    a.abort(), b.abort()
+    first, second = EmbeddingWriter(tmp_path / "d.npy"), EmbeddingWriter(tmp_path / "d.npy")  # one thread
+    first.abort()
+    assert (tmp_path / ".d.npy.lock").exists()  # still held for the second writer
+    second.abort()
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(FileExistsError, match="already exists; pass --overwrite"):
+        write_embeddings(write_embeddings(tmp_path / "c.npy", np.eye(2), {}), np.eye(2), {}, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npy", "c.npy.json"]

@@ -286,3 +286,23 @@ def test_reordered_input_rows_are_a_different_run(tmp_path, corpus):
     os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same modification time
     with pytest.raises(ValueError, match=r"different run \(input differ\)"):
         shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS)
+
+
+def test_the_merge_records_the_texts_digest_and_refuses_shards_that_disagree(tmp_path, corpus):
+    from moee.io import seal, texts_digest
+
+    out_dir, _ = _two_shards(tmp_path, corpus)
+    merged = shard.merge_shards(out_dir)
+    assert read_metadata(merged)["texts_sha256"] == texts_digest(_texts(corpus))[0]
+    one = sidecar_path(out_dir / "shard-00001-of-00002.npy")
+    meta = json.loads(one.read_text())
+    one.write_text(json.dumps(seal({**meta, "weights_digest": "0123456789ab"})))  # made by another model
+    with pytest.raises(ValueError, match=r"shards disagree on the model weights \(weights_digest"):
+        shard.merge_shards(out_dir, tmp_path / "again.npy")
+    one.write_text(json.dumps(seal({**meta, "texts_sha256": "f" * 64})))
+    with pytest.raises(ValueError, match="shards disagree on the input texts"):
+        shard.merge_shards(out_dir, tmp_path / "again.npy")
+    assert not (tmp_path / "again.npy").exists()
+    with pytest.raises(FileExistsError, match="already exists; pass --overwrite"):
+        one.write_text(json.dumps(meta))
+        shard.merge_shards(out_dir, overwrite=False)

@@ -6,7 +6,15 @@ Single process::
 
 Every configuration flag left out comes from the model's saved configuration (its folder's
 ``moee_embedding.json``; the bundled model's: mean pooling, no prompt), else the library default;
-the sidecar records the configuration used.
+the sidecar records the configuration used, and digests of what the rows depend on: the texts
+(``texts_sha256``), the model's weights (``weights_digest``) and a reference's statistics
+(``reference_sha256``), and of its own content (``sidecar_sha256``); `moee search` checks them.
+
+Every input is checked before the model loads (the whole input is read once, which also gives
+the progress bar its total), the layer choice right after (against the model's layer counts);
+an existing ``--out`` is refused without ``--overwrite``; one run at a time writes an output (a
+second run to the same ``--out`` is refused at once), through a temporary name, and commits the
+array and its sidecar as a pair.
 
 Sharded over processes or GPUs (each process embeds rows ``i % world == rank``; see
 ``moee.shard``); rank 0 merges into ``DIR/embeddings.npy`` when all shards are done, and a
@@ -38,7 +46,15 @@ from moee.cli_options import (
 )
 from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
-from moee.io import read_metadata, read_texts, run_metadata
+from moee.io import (
+    TextsDigest,
+    check_output_path,
+    output_lock,
+    probe_writable,
+    read_metadata,
+    read_texts,
+    run_metadata,
+)
 
 DEFAULT_CHUNK = 4096
 
@@ -98,12 +114,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def embedding_settings(args: argparse.Namespace, config: EmbeddingConfig) -> dict[str, Any]:
     """Everything that changes the numbers; recorded in sidecars and shard manifests (``config``:
     the resolved configuration, :func:`moee.cli_options.embedding_config`)."""
-    return {
+    settings = {
         "model": args.model,
         **config.to_dict(),
         "model_dtype": args.dtype,  # the weights dtype; the array is always float32 (array_dtype)
         "load_in_4bit": args.load_in_4bit,
     }
+    if config.reference is not None:  # its numbers, not its path: a re-fit is another run
+        settings["reference_sha256"] = config.reference_digest()
+    return settings
+
+
+def check_config_fits_model(embedder: Any, config: EmbeddingConfig) -> None:
+    """Refuse, right after the model loads and before any text is embedded, a configuration this
+    model cannot embed: ``hs_layer`` / ``rw_layers`` out of range for its decoder / MoE layer
+    counts, or a reference fitted on another model or configuration."""
+    import numpy as np
+
+    from moee.capture.registry import _decoder_layers
+    from moee.embed.recipes import select_hs, select_rw
+
+    where = f"for {getattr(embedder, 'name_or_path', 'the model')}"
+    try:
+        if config.hs_layer is not None:  # the selection itself, on a placeholder of the model's shape
+            select_hs(np.zeros((1, len(_decoder_layers(embedder.model)), 1), np.float32), config.hs_layer)
+        if config.rw_layers is not None:
+            select_rw(np.zeros((1, embedder.n_moe_layers, 1), np.float32), config.rw_layers)
+    except ValueError as exc:
+        raise ValueError(f"--hs-layer/--rw-layers {where}: {exc}") from None
+    if config.reference is not None:
+        from moee.embed.reference import load_cached
+
+        load_cached(config.reference).check(embedder.weights_digest, config.feature_dict(), config.reference)
 
 
 def _log(msg: str) -> None:
@@ -120,10 +162,15 @@ class _CountingEncoder:
     def __init__(self, embedder: Any, config: EmbeddingConfig, batch_size: int) -> None:
         self.embedder = embedder
         self.encode = make_encoder(embedder, config, batch_size)
+        self.passes = len(config.prompt_templates)  # an ensemble embeds each text once per prompt
         self.truncated = 0
+        self.progress: Any = None  # the run's bar (``moee.shard.embed_stream``), moved per batch
 
     def __call__(self, texts: list[str]) -> Any:
-        vectors = self.encode(texts)
+        from moee.shard import _PerTextBar
+
+        bar = _PerTextBar(self.progress, self.passes) if self.progress is not None else False
+        vectors = self.encode(texts, show_progress_bar=bar)
         self.truncated += int(getattr(self.embedder, "last_truncation", 0) or 0)
         return vectors
 
@@ -136,20 +183,10 @@ class _CountingEncoder:
 
 
 def check_output_file(path: str | Path, *, overwrite: bool) -> Path:
-    """Refuse an output .npy that could not be written, before any work is done.
-
-    A directory, an existing file (unless ``overwrite``) and a parent that cannot be created or
-    written to are errors naming the path; the check writes and removes a probe file.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"--out {path} is a directory; give the path of a .npy file")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"--out {path} already exists; pass --overwrite to replace it")
-    _probe_writable(
-        path.parent, path.with_name(f".{path.name}.{os.getpid()}.probe"), f"cannot write --out {path}"
-    )
-    return path
+    """Refuse an output .npy that could not be written, before any work is done
+    (:func:`moee.io.check_output_path`: a directory, an existing file unless ``overwrite``, an
+    output another run is writing, a parent that cannot be created or written to)."""
+    return check_output_path(path, overwrite=overwrite, what="--out")
 
 
 def check_output_dir(path: str | Path) -> Path:
@@ -157,19 +194,14 @@ def check_output_dir(path: str | Path) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"with --sharded, --out {path} is a file, not a directory")
-    _probe_writable(path, path / f".probe.{os.getpid()}", f"cannot write to --out {path}")
+    probe_writable(path, path / f".probe.{os.getpid()}", f"cannot write to --out {path}")
     return path
 
 
-def _probe_writable(directory: Path, probe: Path, message: str) -> None:
-    """Create ``directory`` and write and remove ``probe`` in it, so an unwritable output fails
-    before any work; ``message`` starts the error."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"{message}: {exc.strerror or exc} ({exc.filename or directory})") from None
+def count_texts(path: str | Path, field: str | None) -> int:
+    """Read the whole input once before any work: a bad row anywhere is found before the model
+    loads, and the progress bar gets its total."""
+    return sum(1 for _ in read_texts(path, field=field))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         if args.input is not None or args.sharded:
             raise ValueError("--merge DIR takes no INPUT and no --sharded; it only merges existing shards")
         check_output_file(args.out, overwrite=args.overwrite)
-        out = shard.merge_shards(args.merge, args.out)
+        out = shard.merge_shards(args.merge, args.out, overwrite=args.overwrite)
         _log(f"merged {args.merge} into {out}")
         return 0
     if args.input is None:
@@ -188,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     chunk_size = check_positive_int("--chunk-size", args.chunk_size)
     config = embedding_config(args)
     settings = embedding_settings(args, config)
-    texts = read_texts(args.input, field=args.field)  # checks the path and field eagerly
+    read_texts(args.input, field=args.field)  # checks the path and field at once
 
     if not args.sharded:
         if args.shard_rank is not None or args.num_shards is not None:
@@ -198,26 +230,8 @@ def run(args: argparse.Namespace) -> int:
                 f"--out must be a .npy file (got {args.out}); use --sharded to write a directory"
             )
         check_output_file(args.out, overwrite=args.overwrite)
-        embedder = load_from_args(args)
-        meta = {
-            **settings,
-            **_run_facts(embedder, batch_size),
-            "input": str(Path(args.input).resolve()),
-            "field": args.field,
-            **run_metadata(),
-        }
-        encoder = _CountingEncoder(embedder, config, batch_size)
-        out = shard.embed_stream(
-            encoder,
-            texts,
-            args.out,
-            lambda rows: {**meta, "truncated_texts": encoder.truncated},
-            chunk_size=chunk_size,
-        )
-        shape = tuple(read_metadata(out)["shape"])
-        encoder.report(shape[0])
-        _log(f"wrote {out} {shape}")
-        return 0
+        with output_lock(args.out, "--out"):  # held until the pair is committed: one run per output
+            return _embed_one_file(args, config, settings, batch_size, chunk_size)
 
     info = shard.shard_info(args.shard_rank, args.num_shards)
     out_dir = Path(args.out)
@@ -227,8 +241,10 @@ def run(args: argparse.Namespace) -> int:
     if shard.prepare_shard_dir(out_dir, args.input, info, settings, field=args.field):
         _log(f"{info.name} is already complete in {out_dir}; skipping it")
     else:
+        total = count_texts(args.input, args.field)
         device = args.device or (None if args.device_map else shard.default_device(info))
         embedder = load_from_args(args, device=device)
+        check_config_fits_model(embedder, config)
         encoder = _CountingEncoder(embedder, config, batch_size)
         facts = _run_facts(embedder, batch_size)
         written = shard.embed_shard(
@@ -240,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             field=args.field,
             chunk_size=chunk_size,
             metadata=lambda: {**facts, "truncated_texts": encoder.truncated},
+            total_rows=total,
         )
         encoder.report(int(read_metadata(written)["rows"]["count"]))
         _log(f"wrote {written}")
@@ -254,9 +271,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed_one_file(
+    args: argparse.Namespace,
+    config: EmbeddingConfig,
+    settings: dict[str, Any],
+    batch_size: int,
+    chunk_size: int,
+) -> int:
+    from moee import shard
+
+    total = count_texts(args.input, args.field)
+    embedder = load_from_args(args)
+    check_config_fits_model(embedder, config)
+    digest = TextsDigest()
+    meta = {
+        **settings,
+        **_run_facts(embedder, batch_size),
+        "input": str(Path(args.input).resolve()),
+        "field": args.field,
+        **run_metadata(),
+    }
+    encoder = _CountingEncoder(embedder, config, batch_size)
+    out = shard.embed_stream(
+        encoder,
+        digest.wrap(read_texts(args.input, field=args.field)),
+        args.out,
+        lambda rows: {**meta, "texts_sha256": digest.hexdigest(), "truncated_texts": encoder.truncated},
+        chunk_size=chunk_size,
+        total=total,
+        overwrite=args.overwrite,
+    )
+    shape = tuple(read_metadata(out)["shape"])
+    encoder.report(shape[0])
+    _log(f"wrote {out} {shape}")
+    return 0
+
+
 def _run_facts(embedder: Any, batch_size: int) -> dict[str, Any]:
-    """Sidecar-only facts: where the model really came from, and the batch size used."""
+    """Sidecar-only facts: where the model really came from, a digest of its weights (what
+    `moee search` checks the model it loads against), and the batch size used."""
     resolved = str(getattr(embedder, "name_or_path", None))
     if Path(resolved).exists():  # a local model: record an absolute path, usable from any directory
         resolved = str(Path(resolved).resolve())
-    return {"model_resolved": resolved, "batch_size": batch_size}
+    return {"model_resolved": resolved, "weights_digest": embedder.weights_digest, "batch_size": batch_size}

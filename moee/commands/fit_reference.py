@@ -9,6 +9,12 @@ every text with these fixed statistics instead of batch statistics (``moee.embed
 configuration flags are `embed`'s: the reference only fits that model under those features
 (pooling, prompt, score, recipe, layers); another one is refused when it is used. A flag left out
 comes from the model's saved configuration, else the library default, as for `moee embed`.
+
+Every input is checked before the model loads (the corpus read, at least two texts, ``--out``
+writable and, without ``--overwrite``, not an existing reference), the layer choice right after;
+the pair is written under temporary names and committed together while this run holds the
+output's lock. Embeddings made with a reference record its digest (``reference_sha256``), so a
+re-fit under the same path is refused by `moee search` instead of silently mixing statistics.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("corpus", help="texts: .txt (one per line), .jsonl or .parquet (see --field)")
     p.add_argument("--out", required=True, help="output path; OUT.safetensors and OUT.json are written")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing reference (else it is an error)"
+    )
     p.add_argument("--field", default=None, help="JSON key / parquet column holding the text (default: text)")
     p.add_argument(
         "--max-texts", type=int, default=None, help="use only the first N texts of the corpus (deterministic)"
@@ -48,15 +57,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moee.io import read_texts
+    from moee.commands.embed import check_config_fits_model
+    from moee.embed.reference import check_reference_size, reference_paths
+    from moee.io import check_output_path, output_lock, read_texts
 
     batch_size = check_positive_int("--batch-size", args.batch_size)
     config = embedding_config(args, reference=None)
+    max_texts = check_positive_int("--max-texts", args.max_texts) if args.max_texts is not None else None
+    tensors, sidecar = reference_paths(args.out)
+    for path in (tensors, sidecar):
+        check_output_path(path, overwrite=args.overwrite, what="--out")
     texts = list(read_texts(args.corpus, field=args.field))
-    if args.max_texts is not None:
-        texts = texts[: check_positive_int("--max-texts", args.max_texts)]
-    embedder = load_from_args(args)
-    path = embedder.fit_reference(texts, args.out, config=config, batch_size=batch_size)
+    if max_texts is not None:
+        texts = texts[:max_texts]
+    check_reference_size(len(texts))
+    with output_lock(tensors, "--out"):  # held until the pair is committed: one run per reference
+        embedder = load_from_args(args)
+        check_config_fits_model(embedder, config)
+        path = embedder.fit_reference(texts, args.out, config=config, batch_size=batch_size)
     print(
         f"moee fit-reference: {len(texts)} texts -> {path} (+ {path.with_suffix('.json').name})",
         file=sys.stderr,

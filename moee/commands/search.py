@@ -2,7 +2,11 @@
 
 The corpus embeddings come from `moee embed`; queries are embedded with the model and the whole
 embedding configuration recorded in the embeddings' sidecar (what `moee embed` resolved), so both
-sides live in the same space; search therefore takes no configuration flags::
+sides live in the same space; search therefore takes no configuration flags. Before any work it
+checks what the sidecar records: its own content digest, that ``--texts`` are the embedded texts
+(in order), that a reference still holds the statistics the corpus was embedded with, that a
+``--load-index`` was built from these embeddings, and, once the model is loaded, that its weights
+are the ones the corpus was embedded with; any difference is an error naming both sides::
 
     moee embed corpus.txt --out corpus.npy --prompt prompteol
     moee search --embeddings corpus.npy --texts corpus.txt --query "a cat on a mat" -k 5
@@ -16,14 +20,16 @@ import argparse
 import json
 import sys
 import unicodedata
+import warnings
 from pathlib import Path
 from typing import Any
 
 from moee.cli_options import add_loading_arguments, load_from_args, make_encoder
+from moee.commands.embed import check_config_fits_model
 from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
 from moee.index import KINDS, VectorIndex
-from moee.io import read_embeddings, read_texts
+from moee.io import check_output_path, output_lock, read_embeddings, read_texts, texts_digest
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nlist", type=int, default=None, help="IVF cells (default: about 4 sqrt(n))")
     p.add_argument("--nprobe", type=int, default=None, help="IVF cells searched per query")
     p.add_argument("--save-index", default=None, help="write the built index here (+ .json sidecar)")
-    p.add_argument("--load-index", default=None, help="search a saved index instead of building one")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --save-index (else it is an error)"
+    )
+    p.add_argument(
+        "--load-index",
+        default=None,
+        help="search a saved index instead of building one (it must have been built from --embeddings)",
+    )
     p.add_argument("--index-device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--batch-size", type=int, default=32, help="query embedding batch size")
     p.add_argument("--json", action="store_true", help="print one JSON object per query")
@@ -65,6 +78,68 @@ def corpus_texts(path: str | Path, ids: set[int], *, field: str | None, expected
             f"{path} has {n} texts but the embeddings have {expected_rows} rows: they are not the same corpus"
         )
     return found
+
+
+def check_corpus_texts(path: str | Path, meta: dict[str, Any], *, field: str | None, embeddings: str) -> None:
+    """Refuse ``--texts`` that are not the texts the embeddings were made from, in their order: their
+    digest must be the sidecar's ``texts_sha256`` (a sidecar without one: the row count only, and a
+    warning); otherwise a hit would print another sentence beside its score."""
+    digest, n = texts_digest(read_texts(path, field=field))
+    rows = int(meta["shape"][0])
+    if n != rows:
+        raise ValueError(
+            f"{path} has {n} texts but the embeddings have {rows} rows: they are not the same corpus"
+        )
+    recorded = meta.get("texts_sha256")
+    if recorded is None:
+        warnings.warn(
+            f"the sidecar of {embeddings} records no texts_sha256: only the row count of --texts {path} "
+            "can be checked, not its order or content; re-run `moee embed` to record it",
+            stacklevel=2,
+        )
+    elif recorded != digest:
+        raise ValueError(
+            f"--texts {path} are not the texts {embeddings} was embedded from: same row count, but their "
+            f"digest is {digest[:12]}, the sidecar records {recorded[:12]} (reordered or edited rows, or "
+            "another --field); give the corpus file the embeddings were made from"
+        )
+
+
+def check_reference(config: EmbeddingConfig, meta: dict[str, Any], embeddings: str) -> None:
+    """Refuse a reference whose statistics changed since the corpus was embedded with it (a re-fit
+    under the same path): queries would be standardised differently from the corpus."""
+    if config.reference is None:
+        return
+    recorded, now = meta.get("reference_sha256"), config.reference_digest()
+    if recorded is None:
+        warnings.warn(
+            f"the sidecar of {embeddings} records no reference_sha256: reference {config.reference} cannot "
+            "be checked against the one the corpus was embedded with; re-run `moee embed` to record it",
+            stacklevel=2,
+        )
+    elif recorded != now:
+        raise ValueError(
+            f"reference {config.reference} changed since {embeddings} was embedded with it (statistics "
+            f"{now}, the sidecar records {recorded}); re-embed the corpus, or restore that reference"
+        )
+
+
+def check_weights(embedder: Any, meta: dict[str, Any], embeddings: str) -> None:
+    """Refuse a model whose weights are not the ones the corpus was embedded with (the same path,
+    retrained or replaced): queries and corpus would live in different spaces."""
+    recorded, now = meta.get("weights_digest"), embedder.weights_digest
+    if recorded is None:
+        warnings.warn(
+            f"the sidecar of {embeddings} records no weights_digest: model {embedder.name_or_path} cannot be "
+            "checked against the one the corpus was embedded with; re-run `moee embed` to record it",
+            stacklevel=2,
+        )
+    elif recorded != now:
+        raise ValueError(
+            f"model {embedder.name_or_path} has weights {now}, but {embeddings} was embedded with weights "
+            f"{recorded}: the model changed since; re-embed the corpus with it, or pass the model it was "
+            "embedded with (--model)"
+        )
 
 
 _UNSAFE = ("Cc", "Cf", "Zl", "Zp")  # control, format (incl. bidi overrides), line/paragraph separators
@@ -105,8 +180,22 @@ def _recorded_model(meta: dict[str, Any]) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     k = check_positive_int("-k", args.k)
+    batch_size = check_positive_int("--batch-size", args.batch_size)
     queries = _queries(args)
     embeddings, meta = read_embeddings(args.embeddings, mmap=True)
+    missing = [key for key in ("method", "pooling", "score", "alpha") if meta.get(key) is None]
+    if missing:
+        raise ValueError(f"sidecar of {args.embeddings} lacks {', '.join(missing)}; re-run `moee embed`")
+    # every configuration field the sidecar records, recipe options included (a sidecar without
+    # normalize: normalised; without a recipe option: it was not set)
+    config = EmbeddingConfig.from_dict(meta)
+    # every input is checked before the model loads and before any index is built or written
+    field = args.field if args.field is not None else meta.get("field")
+    check_corpus_texts(args.texts, meta, field=field, embeddings=args.embeddings)
+    check_reference(config, meta, args.embeddings)
+    if args.save_index:
+        check_output_path(args.save_index, overwrite=args.overwrite, what="--save-index")
+    source = {"data_sha256": meta.get("data_sha256"), "path": str(Path(args.embeddings).resolve())}
     if args.load_index:
         index = VectorIndex.load(args.load_index, device=args.index_device, nprobe=args.nprobe)
         if (len(index), index.dim) != tuple(embeddings.shape):
@@ -114,29 +203,26 @@ def run(args: argparse.Namespace) -> int:
                 f"index {args.load_index} holds {len(index)} x {index.dim} vectors, "
                 f"embeddings {args.embeddings} are {embeddings.shape[0]} x {embeddings.shape[1]}"
             )
-    else:
-        index = VectorIndex.build(
-            embeddings, kind=args.index_type, nlist=args.nlist, nprobe=args.nprobe, device=args.index_device
-        )
-    if args.save_index:
-        index.save(args.save_index)
+        index.check_source(source["data_sha256"], args.embeddings)
 
-    missing = [key for key in ("method", "pooling", "score", "alpha") if meta.get(key) is None]
-    if missing:
-        raise ValueError(f"sidecar of {args.embeddings} lacks {', '.join(missing)}; re-run `moee embed`")
-    # every configuration field the sidecar records, recipe options included (a sidecar without
-    # normalize: normalised; without a recipe option: it was not set)
-    config = EmbeddingConfig.from_dict(meta)
     args.model = args.model or _recorded_model(meta)
     embedder = load_from_args(
         args,
         dtype=args.dtype or meta.get("model_dtype"),
         load_in_4bit=args.load_in_4bit or bool(meta.get("load_in_4bit")),
     )
-    encode = make_encoder(embedder, config, check_positive_int("--batch-size", args.batch_size))
+    check_weights(embedder, meta, args.embeddings)
+    check_config_fits_model(embedder, config)
+    if not args.load_index:
+        index = VectorIndex.build(
+            embeddings, kind=args.index_type, nlist=args.nlist, nprobe=args.nprobe, device=args.index_device
+        )
+    if args.save_index:
+        with output_lock(args.save_index, "--save-index"):
+            index.save(args.save_index, source=source, overwrite=args.overwrite)
+    encode = make_encoder(embedder, config, batch_size)
     scores, ids = index.search(encode(queries), k)
 
-    field = args.field if args.field is not None else meta.get("field")
     wanted = {int(i) for i in ids.ravel() if i >= 0}
     texts = corpus_texts(args.texts, wanted, field=field, expected_rows=embeddings.shape[0])
     out = sys.stdout

@@ -105,12 +105,37 @@ MODEL_DEFAULT: Any = _ModelDefault()
 # ---------------------------------------------------------------------------- command-line forms
 # The ``type`` of a field's flag (``moee.cli_options``): the text of a flag as the field's value.
 def prompt_flag(value: str) -> str | tuple[str, ...] | None:
-    """``none`` is no prompt; a comma list is an ensemble; a ``{text}`` template is one prompt
-    (names and templates are checked by :class:`EmbeddingConfig`)."""
-    if value.lower() == "none":
+    """One ``--prompt`` value: ``none`` (no prompt), a JSON list (``'["prompteol", "Q: {text}"]'``, an
+    ensemble), comma-separated prompt names (an ensemble), or one name or ``{text}`` template. A value
+    that reads both as one template and as a list (``prompteol,Q: {text}``: every comma-separated part
+    is itself a prompt), or that looks like a JSON list but is not one, is refused: repeat ``--prompt``
+    per prompt or give a JSON list (names and templates are checked by :class:`EmbeddingConfig`)."""
+    import argparse
+
+    text = value.strip()
+    if text.lower() == "none":
         return None
-    items = [v.strip() for v in value.split(",") if v.strip()] if "{text}" not in value else [value]
-    return items[0] if len(items) == 1 else tuple(items)
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            items = None
+        if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(
+                f"--prompt {value!r} looks like a JSON list but is not a non-empty JSON list of strings; "
+                "a template that starts with '[' is written as a list of one: '[\"[{text}]\"]'"
+            )
+        return items[0] if len(items) == 1 else tuple(items)
+    parts = [v.strip() for v in value.split(",") if v.strip()]
+    if "{text}" in value:
+        if len(parts) > 1 and all(p in PROMPT_NAMES or p in PROMPT_SETS or "{text}" in p for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"--prompt {value!r} is ambiguous: one template with a comma, or an ensemble of "
+                f"{len(parts)} prompts? Give each prompt its own --prompt, or a JSON list "
+                '(\'["prompteol", "Q: {text}"]\' for the ensemble, \'["a, {text}"]\' for one template)'
+            )
+        return value
+    return parts[0] if len(parts) == 1 else tuple(parts)
 
 
 def alpha_flag(value: str) -> float | str:
@@ -205,9 +230,11 @@ class EmbeddingConfig:
     prompt: str | tuple[str, ...] | None = field(
         default=None,
         metadata={
-            "help": f"'none', one of {', '.join(PROMPT_NAMES)}, a template containing {{text}}, 'stability' "
-            "(the nine stability prompts) or a comma-separated list (an ensemble)",
+            "help": f"'none', one of {', '.join(PROMPT_NAMES)}, a template containing {{text}} or 'stability' "
+            "(the nine stability prompts); an ensemble: repeat --prompt, or a JSON list "
+            '(\'["prompteol", "Q: {text}"]\'), or comma-separated names',
             "type": prompt_flag,
+            "repeatable": True,
             "metavar": "PROMPT",
             "default_text": "none",
         },

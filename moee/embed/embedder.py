@@ -32,6 +32,7 @@ Deliberate behaviour:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -309,6 +310,7 @@ class MoEEmbedder:
         from types import SimpleNamespace
 
         from moee.embed.reference import load_cached, reference_paths, weights_digest
+        from moee.io import seal, write_json_atomic
 
         config = self.default_config
         load_cached(config.reference).check(self.weights_digest, config.feature_dict(), config.reference)
@@ -316,7 +318,7 @@ class MoEEmbedder:
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
         saved = weights_digest(SimpleNamespace(name_or_path=str(copied.parent)))
         meta["model"] = {**meta.get("model", {}), "revision": saved}
-        sidecar.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_json_atomic(sidecar, seal(meta))  # its content digest covers the new revision
 
     # ------------------------------------------------------------------ set-up helpers
     def _default_max_length(self, text_config) -> int:
@@ -456,9 +458,11 @@ class MoEEmbedder:
         self._backbone(**batch, **self._extra_kwargs)
 
     @staticmethod
-    def _progress(total: int, n_texts: int, show: bool | None, desc: str):
+    def _progress(total: int, n_texts: int, show: Any, desc: str):
         from tqdm.auto import tqdm
 
+        if show is not None and not isinstance(show, bool) and hasattr(show, "update"):
+            return contextlib.nullcontext(show)  # the caller's bar, e.g. one over every chunk of a run
         if show is None:
             show = n_texts > PROGRESS_BAR_MIN_TEXTS
         return tqdm(total=total, disable=not show, desc=desc, unit="text")
@@ -662,9 +666,10 @@ class MoEEmbedder:
         ``path`` (``.safetensors`` + ``.json``, ``moee.embed.reference``); returns the ``.safetensors``
         path, which ``encode(..., reference=path)`` takes. Ensemble prompts share one set of statistics."""
         from moee import __version__
-        from moee.embed.reference import Reference
+        from moee.embed.reference import Reference, check_reference_size
 
         texts = check_texts(texts)
+        check_reference_size(len(texts))  # before any work: a std needs two texts
         config = self._config(config, **keywords).replace(reference=None)
         hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
         prompts = hs.shape[1]

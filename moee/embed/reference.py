@@ -9,9 +9,13 @@ combines them. A text alone gets exactly the vector it gets inside any corpus ru
 A reference is two files: ``NAME.safetensors`` (float64 ``hs_mean``, ``hs_std``, ``rw_mean``,
 ``rw_std``; RW flattened in layer order) and ``NAME.json`` beside it: format and version, the
 model (name, weights hash), the feature configuration it was fitted under (pooling, prompt
-templates, score, recipe, hs_layer, rw_layers), the number of texts and the moee version. Using a
-reference with another model or another feature configuration is an error that names the
-difference. No pickle anywhere (safetensors + JSON).
+templates, score, recipe, hs_layer, rw_layers), the number of texts, the moee version, the
+statistics' digest (``sha256``, required) and the sidecar's own content digest
+(``sidecar_sha256``, ``moee.io.seal``). Using a reference with another model or another feature
+configuration is an error that names the difference; so are statistics or a sidecar changed after
+they were written. The pair is written under temporary names and committed together
+(``moee.io.commit_with_sidecar``), with the process' normal file mode (umask). No pickle anywhere
+(safetensors + JSON).
 """
 
 from __future__ import annotations
@@ -19,18 +23,38 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["REFERENCE_FORMAT", "Reference", "file_digest", "reference_paths", "weights_digest"]
+__all__ = [
+    "MIN_TEXTS",
+    "REFERENCE_FORMAT",
+    "Reference",
+    "check_reference_size",
+    "file_digest",
+    "reference_paths",
+    "weights_digest",
+]
 
 REFERENCE_FORMAT = "moee-reference"
 REFERENCE_VERSION = 1
 #: A dimension whose reference std is below this is only centred (divided by 1), never blown up.
 MIN_STD = 1e-8
+#: The fewest texts a reference is fitted on (a std needs two).
+MIN_TEXTS = 2
+
+
+def check_reference_size(n_texts: int) -> int:
+    """``n_texts`` when a reference can be fitted on that many texts, else a ``ValueError`` saying so."""
+    if n_texts < MIN_TEXTS:
+        raise ValueError(
+            f"a reference needs at least {MIN_TEXTS} texts to fit a mean and a std, got {n_texts}"
+        )
+    return n_texts
 
 
 def reference_paths(path: str | os.PathLike) -> tuple[Path, Path]:
@@ -96,33 +120,45 @@ class Reference:
     @classmethod
     def fit(cls, hs: np.ndarray, rw: np.ndarray, meta: dict[str, Any]) -> Reference:
         """Statistics of ``hs [n, d]`` and ``rw [n, L, E]`` (float64; population std)."""
+        check_reference_size(len(hs))
         h = np.asarray(hs, dtype=np.float64).reshape(hs.shape[0], -1)
         r = np.asarray(rw, dtype=np.float64).reshape(rw.shape[0], -1)
-        if h.shape[0] < 2:
-            raise ValueError(f"a reference needs at least 2 texts, got {h.shape[0]}")
         if not (np.isfinite(h).all() and np.isfinite(r).all()):
             raise ValueError("the reference corpus gave NaN or inf features")
         return cls(h.mean(0), h.std(0), r.mean(0), r.std(0), {"n_texts": int(h.shape[0]), **meta})
 
     # ------------------------------------------------------------------ files
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write ``NAME.safetensors`` + ``NAME.json``; returns the ``.safetensors`` path."""
-        from safetensors.numpy import save_file
+    def save(self, path: str | os.PathLike, *, overwrite: bool = True) -> Path:
+        """Write ``NAME.safetensors`` + ``NAME.json`` as a pair; returns the ``.safetensors`` path.
+        ``overwrite=False`` refuses an existing reference (either file)."""
+        from safetensors.numpy import save as to_bytes
+
+        from moee.io import commit_with_sidecar, output_lock, temporary_path
 
         tensors, sidecar = reference_paths(path)
         tensors.parent.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: np.ascontiguousarray(getattr(self, k)) for k in ("hs_mean", "hs_std", "rw_mean", "rw_std")},
-            str(tensors),
+        data = to_bytes(
+            {k: np.ascontiguousarray(getattr(self, k)) for k in ("hs_mean", "hs_std", "rw_mean", "rw_std")}
         )
-        meta = {
-            "format": REFERENCE_FORMAT,
-            "version": REFERENCE_VERSION,
-            **self.meta,
-            "sha256": file_digest(tensors),
-        }
-        sidecar.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        return tensors
+        with output_lock(tensors):
+            if not overwrite and (tensors.exists() or sidecar.exists()):
+                raise FileExistsError(f"reference {tensors} already exists; pass --overwrite to replace it")
+            partial = temporary_path(tensors)
+            with open(partial, "xb") as fh:  # open(): the process' umask decides the mode
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            meta = {
+                "format": REFERENCE_FORMAT,
+                "version": REFERENCE_VERSION,
+                **{k: v for k, v in self.meta.items() if k not in ("sha256", "sidecar_sha256")},
+                "sha256": hashlib.sha256(data).hexdigest()[:12],
+            }
+            try:
+                return commit_with_sidecar(partial, tensors, meta, sidecar=sidecar, overwrite=overwrite)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Reference:
@@ -145,7 +181,22 @@ class Reference:
             raise ValueError(
                 f"{sidecar} is reference version {meta.get('version')}; this moee reads {REFERENCE_VERSION}"
             )
-        if meta.get("sha256") not in (None, file_digest(tensors)):
+        if "sha256" not in meta:
+            raise ValueError(
+                f"reference sidecar {sidecar} has no sha256 of its statistics, so {tensors} cannot be "
+                "checked; fit the reference again with moee fit-reference"
+            )
+        if "sidecar_sha256" in meta:
+            from moee.io import check_seal
+
+            check_seal(meta, sidecar, remedy="fit the reference again with moee fit-reference")
+        else:
+            warnings.warn(
+                f"reference sidecar {sidecar} was written by an older moee without a content digest: "
+                "its model and configuration cannot be checked for edits; fit it again to get one",
+                stacklevel=2,
+            )
+        if meta["sha256"] != file_digest(tensors):
             raise ValueError(f"{tensors} does not match its sidecar {sidecar} (sha256 differs)")
         data = load_file(str(tensors))
         missing = {"hs_mean", "hs_std", "rw_mean", "rw_std"} - set(data)
