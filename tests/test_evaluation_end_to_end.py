@@ -306,7 +306,10 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
     rows = printed.replace("moee/tiny-model | ", "")
     assert "| MoEE sum + PromptEOL (alpha=auto, pooling=mean) |" in rows  # the model's configuration
     assert "| MoEE sum + PromptEOL (alpha=auto, score=softmax) |" in rows  # the paper's, beside it
-    assert doc["run"]["extra_cells"][0]["pooling"] == "last" and doc["run"]["extra_cells"][0]["score"] == "softmax"
+    assert (
+        doc["run"]["extra_cells"][0]["pooling"] == "last"
+        and doc["run"]["extra_cells"][0]["score"] == "softmax"
+    )
     assert str(out / "mteb" / "tables.md") in printed and "quickstart finished" in printed
 
 
