@@ -95,7 +95,7 @@ def write_sample(
     from moee.embed.methods import METHODS
     from moee.embed.recipes import combine_features
     from moee.evaluation.adapter import model_identity
-    from moee.io import run_metadata, write_embeddings, write_json_atomic
+    from moee.io import run_metadata, texts_digest, write_embeddings, write_json_atomic
 
     texts = [r["text"] for r in rows]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -113,6 +113,8 @@ def write_sample(
             **cell.to_dict(),  # the whole resolved configuration, as `moee embed` records it
             "alpha": cell.alpha if cell.uses_alpha else None,
             "texts": "texts.json",
+            "texts_sha256": texts_digest(texts)[0],  # what `moee search` checks, as for `moee embed`
+            "weights_digest": embedder.weights_digest,
             **run_metadata(),
         }
         paths[method] = write_embeddings(out_dir / f"{method}.npy", vectors, meta)
