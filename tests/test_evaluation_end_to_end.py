@@ -195,7 +195,7 @@ def test_offline_pair_task_scores_the_similarity_the_method_defines(embedder, tm
     # to ~1e-7, and the order of such near-ties follows the summation order (thread count, kernels),
     # which moves the AP by up to ~4e-5; max_ap picking another similarity moves it far more
     assert scores["main_score"] == pytest.approx(expected, abs=2e-4)
-    assert scores["main_score"] == scores["cosine_ap"]
+    assert scores["main_score"] == pytest.approx(scores["cosine_ap"], abs=2e-4)  # the same near-ties
     assert task.metadata.main_score == "similarity_ap"
 
 
