@@ -191,8 +191,11 @@ def test_offline_pair_task_scores_the_similarity_the_method_defines(embedder, tm
         c_h, c_r = pair_similarities(hs, rw, np.arange(n), np.arange(n, 2 * n))
         np.testing.assert_allclose(cosine, (c_h + 0.5 * c_r) / 1.5, atol=1e-5)
     expected = average_precision_score(list(rows["labels"]), cosine)
-    assert scores["main_score"] == pytest.approx(expected, abs=1e-5)
-    assert scores["main_score"] == scores["cosine_ap"]
+    # mteb takes the cosine in torch, this test in numpy: RW cosines of near-identical verse pairs agree
+    # to ~1e-7, and the order of such near-ties follows the summation order (thread count, kernels),
+    # which moves the AP by up to ~4e-5; max_ap picking another similarity moves it far more
+    assert scores["main_score"] == pytest.approx(expected, abs=2e-4)
+    assert scores["main_score"] == pytest.approx(scores["cosine_ap"], abs=2e-4)  # the same near-ties
     assert task.metadata.main_score == "similarity_ap"
 
 
