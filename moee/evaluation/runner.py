@@ -475,7 +475,7 @@ def run_evaluation(
                 log(f"[{tag}] {name} {cell.method}: {seconds:.1f}s")
         if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in group):
             chosen[tag] = {t: c["alpha"] for t, c in alpha_choices.get(prompt_name, {}).items()}
-        if own_cache and trace_caches is None:
+        if trace_caches is None:  # caches the caller shares are its to keep
             traces.clear()  # rows are kept across the tasks of a prompt: tasks share some texts
     if settings.baseline:
         from mteb.models import ModelMeta
