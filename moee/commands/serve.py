@@ -13,6 +13,7 @@ drains: in-flight requests finish, then the process exits 0.
 from __future__ import annotations
 
 import argparse
+import signal
 
 from moee.cli_options import add_loading_arguments, load_from_args
 
@@ -71,5 +72,8 @@ def run(args: argparse.Namespace) -> int:
     )  # checked before the model loads
     embedder = load_from_args(args)
     app = create_app(embedder, settings)
+    # uvicorn drains on SIGTERM, then re-raises the signal it caught; a no-op handler makes that
+    # re-raise a clean exit 0 (a SIGTERM while the model loads still ends the process at once)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=None)
     return 0

@@ -47,7 +47,7 @@ from moee.serving.protocol import (
     parse_routing_request,
 )
 
-__all__ = ["ServerSettings", "EmbeddingService", "create_app", "served_model_name"]
+__all__ = ["ServerSettings", "EmbeddingService", "create_app", "serve_in_thread", "served_model_name"]
 
 ENDPOINTS = ("/v1/embeddings", "/v1/routing", "/v1/models", "/health", "/metrics")
 #: How often a waiting request checks whether its client is still there.
@@ -480,3 +480,27 @@ class _Observed:
             m.latency.labels(endpoint).observe(time.perf_counter() - start)
             if status["code"] >= 400:
                 m.errors.labels(endpoint, str(status["code"])).inc()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    """Run ``app`` with uvicorn on a background thread (port 0: a free one) and yield its base URL
+    (``http://host:port``); stops it, draining, on exit. For tests, benchmarks and notebooks."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="moee-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
