@@ -313,3 +313,41 @@ def test_moee_serve_drains_in_flight_requests_on_sigterm(tiny_model_dir, embedde
     for i, (status, doc) in enumerate(results):
         assert status == 200, doc
         np.testing.assert_allclose(_vectors(doc)[0], embedder.encode(texts[i]), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- moee search --server
+def test_search_embeds_queries_through_the_server_and_checks_its_weights(
+    server, embedder, tmp_path, capsys
+) -> None:
+    from moee.capture.tiny import tiny_model, tiny_tokenizer
+    from moee.cli import main
+    from moee.corpus import save_corpus
+
+    texts = _texts(12, seed=4)
+    (tmp_path / "c.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    save_corpus(tmp_path / "c.npy", texts, embedder, prompt="prompteol")
+    args = ["search", "--embeddings", str(tmp_path / "c.npy"), "--texts", str(tmp_path / "c.txt")]
+    args += ["--query", texts[3], "--json", "-k", "3"]
+    assert main(args) == 0  # the model loaded here
+    local = json.loads(capsys.readouterr().out)
+    assert main([*args, "--server", server]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert [h["id"] for h in remote["results"]] == [h["id"] for h in local["results"]]
+    assert remote["results"][0]["id"] == 3
+    np.testing.assert_allclose(
+        [h["score"] for h in remote["results"]], [h["score"] for h in local["results"]], atol=1e-5
+    )
+
+    other = MoEEmbedder(tiny_model("olmoe", n_layers=1), tiny_tokenizer(), name_or_path="other")
+    save_corpus(tmp_path / "o.npy", texts, other)
+    bad = [
+        "search",
+        "--embeddings",
+        str(tmp_path / "o.npy"),
+        "--texts",
+        str(tmp_path / "c.txt"),
+        "--query",
+        "x",
+    ]
+    assert main([*bad, "--server", server]) == 2
+    assert "was embedded with weights" in capsys.readouterr().err
