@@ -154,6 +154,10 @@ def test_cut_batches_sorts_by_length_under_the_token_budget() -> None:
     for b in batches:
         assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
         assert len(b) == 1 or len(b) * lengths[b[0]] <= 24
+    # one long text does not make thirty short ones pad to its length; the short ones share a forward
+    mixed = cut_batches([256] + [5] * 31, 16384)
+    assert sorted(map(len, mixed)) == [1, 31]
+    assert len(cut_batches([7] * 40, 16384)) == 1
 
 
 def test_concurrent_clients_are_co_batched_and_each_gets_its_own_encode(server, embedder) -> None:

@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="tokens per input; longer inputs get 400 unless the request sends truncate=true "
-        "(default: the model's maximum length)",
+        "(default: no limit, a text is cut to the model's maximum length as `encode` cuts it)",
     )
     limits.add_argument(
         "--batch-wait-ms", type=float, default=2.0, help="how long a batch waits for more requests to join it"

@@ -699,6 +699,19 @@ class MoEEmbedder:
         :attr:`similarity_fn_name`; numpy in, numpy out; a tensor in, a tensor out."""
         return similarity(a, b, self.similarity_fn_name)
 
+    def token_counter(self) -> MoEEmbedder:
+        """A view of this embedder with its own copy of the tokenizer and its own lock: its
+        :meth:`token_lengths` (and tokenizer) can run on another thread while this embedder's forwards
+        hold the model's lock (a server counts the tokens of new requests during a forward). Only
+        for tokenizing: its forwards would not be serialised with this embedder's."""
+        import copy
+
+        view = copy.copy(self)
+        view.tokenizer = copy.deepcopy(self.tokenizer)
+        view._lock = threading.RLock()
+        view._calls = threading.local()
+        return view
+
     def token_lengths(self, texts: Sequence[str], config: EmbeddingConfig | None = None) -> list[int]:
         """Tokens each text's forward runs on under ``config`` (its prompt template and recipe
         included, after the cut to ``max_length``; an ensemble: its longest prompt): what a server

@@ -6,8 +6,9 @@ Endpoints (shapes in ``moee.serving.protocol``): ``POST /v1/embeddings``, ``POST
 
 Limits: at most ``max_concurrent_requests`` requests are admitted at once (a further one gets
 429); a request with more than ``max_inputs_per_request`` inputs gets 413, an input over
-``max_tokens_per_input`` tokens (default: the model's maximum length) gets 400 naming the limit,
-unless the request says ``"truncate": true`` (the text is cut at that many tokens). A client that
+``max_tokens_per_input`` tokens gets 400 naming the limit, unless the request says
+``"truncate": true`` (the text is cut at that many tokens); without that limit a text is cut to the
+model's maximum length exactly as ``encode`` cuts it. A client that
 disconnects has its waiting rows dropped. The server drains on SIGTERM: uvicorn stops accepting,
 in-flight requests finish, then the batcher stops.
 """
@@ -61,7 +62,7 @@ class ServerSettings:
     max_batch_tokens: int = 16384
     max_concurrent_requests: int = 512
     max_inputs_per_request: int = 2048
-    max_tokens_per_input: int | None = None  # None: the model's maximum length
+    max_tokens_per_input: int | None = None  # None: no limit; cut to the model's maximum like encode
     batch_wait_ms: float = 2.0
     served_model_name: str | None = None
 
@@ -154,9 +155,10 @@ class EmbeddingService:
 
     def __init__(self, embedder: Any, settings: ServerSettings) -> None:
         self.embedder = embedder
+        self.counter = embedder.token_counter()  # tokenizes new requests while a forward runs
         self.settings = settings
         self.model_id = settings.served_model_name or served_model_name(embedder)
-        self.max_tokens_per_input = settings.max_tokens_per_input or int(embedder.max_length)
+        self.max_tokens_per_input = settings.max_tokens_per_input
         self.weights_digest = embedder.weights_digest
         self.created = int(time.time())
 
@@ -228,12 +230,15 @@ class EmbeddingService:
         self, texts: list[str], config: EmbeddingConfig, truncate: bool
     ) -> tuple[list[str], list[int]]:
         """The texts (cut at ``max_tokens_per_input`` tokens when ``truncate``; else an input over it
-        is a 400 naming the limit) and their forward lengths. Holds the model's lock: a fast
-        tokenizer's settings are shared state."""
+        is a 400 naming the limit) and their forward lengths. Runs on the counting copy of the
+        tokenizer, under its own lock (a fast tokenizer's settings are shared state), so it never
+        waits for a forward."""
         limit = self.max_tokens_per_input
-        tok = self.embedder.tokenizer
-        with self.embedder._lock:
-            enc = tok(texts, add_special_tokens=False, return_offsets_mapping=truncate)
+        counter = self.counter
+        if limit is None:
+            return list(texts), counter.token_lengths(texts, config)
+        with counter._lock:
+            enc = counter.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=truncate)
         out = list(texts)
         for i, ids in enumerate(enc["input_ids"]):
             if len(ids) <= limit:
@@ -247,7 +252,7 @@ class EmbeddingService:
                     code="input_too_long",
                 )
             out[i] = texts[i][: enc["offset_mapping"][i][limit - 1][1]]
-        return out, self.embedder.token_lengths(out, config)
+        return out, counter.token_lengths(out, config)
 
     def routing(
         self, texts: list[str], given: dict[str, Any], prompt_name: str | None, dense: bool, top_k: int
@@ -313,6 +318,7 @@ class EmbeddingService:
                 "n_experts": emb.n_experts,
                 "hidden_size": emb.hidden_size,
                 "max_tokens_per_input": self.max_tokens_per_input,
+                "max_length": int(emb.max_length),
                 "max_inputs_per_request": self.settings.max_inputs_per_request,
             },
         }

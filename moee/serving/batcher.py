@@ -7,7 +7,8 @@ forward and each request still gets exactly what ``encode`` of its texts alone r
 How a step runs: the scheduler takes the feature configuration (:meth:`EmbeddingConfig.feature_key`:
 what the forward depends on) of the oldest waiting row, takes every waiting row of that
 configuration, sorts them by token length (longest first) and cuts them into batches whose padded
-size ``rows x longest`` stays within ``max_batch_tokens``. Requests whose configurations differ
+size ``rows x longest`` stays within ``max_batch_tokens``, at the cuts that minimise padding plus
+a per-forward overhead (:func:`cut_batches`). Requests whose configurations differ
 only in ``method`` / ``alpha`` / ``normalize`` share forwards; each request combines its own rows.
 Forwards run one at a time on one worker thread (the model's lock serialises them anyway), so the
 event loop stays free to accept, refuse (429) and cancel requests.
@@ -28,7 +29,7 @@ import numpy as np
 from moee.embed.config import EmbeddingConfig
 from moee.embed.recipes import combine_features
 
-__all__ = ["Job", "DynamicBatcher", "cut_batches"]
+__all__ = ["FORWARD_OVERHEAD_TOKENS", "Job", "DynamicBatcher", "cut_batches"]
 
 
 @dataclass(eq=False)
@@ -68,16 +69,50 @@ class _Row:
         return self.job.texts[self.index]
 
 
-def cut_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
-    """Positions of ``lengths`` sorted longest first and cut into batches whose padded size
-    (rows x the batch's longest row) stays within ``max_batch_tokens`` (a longer row runs alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+#: What one forward costs beyond its tokens, in padded-token equivalents: hook and launch overhead
+#: (on the bundled model on CPU, a forward costs about 34 ms + 0.43 ms per padded token: ~78 tokens).
+FORWARD_OVERHEAD_TOKENS = 64
+#: More distinct lengths than this are bucketed (5% apart) before the cut is optimised.
+_MAX_GROUPS = 256
+
+
+def cut_batches(
+    lengths: Sequence[int], max_batch_tokens: int, overhead_tokens: int = FORWARD_OVERHEAD_TOKENS
+) -> list[list[int]]:
+    """Positions of ``lengths`` sorted longest first and cut into contiguous batches, each with a
+    padded size (rows x its longest row) within ``max_batch_tokens`` (a longer row runs alone),
+    choosing the cuts that minimise the padded tokens plus ``overhead_tokens`` per forward: one
+    long text does not make thirty short ones pad to its length, and short texts still share forwards.
+    An exact dynamic programme over runs of equal length (bucketed when there are many)."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    sorted_lengths = [max(1, int(lengths[i])) for i in order]
+    keys = sorted_lengths
+    if len(set(keys)) > _MAX_GROUPS:
+        keys = [int(np.log(v) / np.log(1.05)) for v in sorted_lengths]
+    starts = [0] + [k for k in range(1, n) if keys[k] != keys[k - 1]]
+    bounds = [*starts, n]
+    g = len(starts)
+    best = [0.0] + [float("inf")] * g
+    cut_from = [0] * (g + 1)
+    for j in range(1, g + 1):
+        for i in range(j):
+            longest, rows = sorted_lengths[bounds[i]], bounds[j] - bounds[i]
+            cap = max(1, max_batch_tokens // longest)
+            cost = best[i] + rows * longest + -(-rows // cap) * overhead_tokens
+            if cost < best[j]:
+                best[j], cut_from[j] = cost, i
+    segments = []
+    j = g
+    while j > 0:
+        segments.append((bounds[cut_from[j]], bounds[j]))
+        j = cut_from[j]
     batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    for lo, hi in reversed(segments):
+        cap = max(1, max_batch_tokens // sorted_lengths[lo])
+        batches.extend(order[k : min(k + cap, hi)] for k in range(lo, hi, cap))
     return batches
 
 
