@@ -70,13 +70,16 @@ class ServerSettings:
         for name in ("max_batch_tokens", "max_concurrent_requests", "max_inputs_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(
+                    f"{name} (--{name.replace('_', '-')}) must be a positive integer, got {value!r}"
+                )
         if self.max_tokens_per_input is not None and self.max_tokens_per_input < 1:
             raise ValueError(
-                f"max_tokens_per_input must be a positive integer, got {self.max_tokens_per_input!r}"
+                "max_tokens_per_input (--max-tokens-per-input) must be a positive integer, "
+                f"got {self.max_tokens_per_input!r}"
             )
         if self.batch_wait_ms < 0:
-            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms!r}")
+            raise ValueError(f"batch_wait_ms (--batch-wait-ms) must be >= 0, got {self.batch_wait_ms!r}")
 
 
 def served_model_name(embedder: Any) -> str:
