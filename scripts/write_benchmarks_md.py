@@ -1,6 +1,6 @@
 """Regenerate BENCHMARKS.md from the benchmark result files (no figure is typed by hand).
 
-Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,gpu_check}.json`` and
+Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,gpu_check}.json`` and
 ``docs/bench_capture.json``; a missing file is reported as "not run" with its command.
 
     python scripts/write_benchmarks_md.py [--results bench/results] [--out BENCHMARKS.md]
@@ -24,6 +24,7 @@ COMMANDS = {
     "search_isotropic": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py --isotropic",
     "gpu_check": "python scripts/gpu_check.py   # on a GPU machine; --tiny for a CPU smoke test",
     "recipes": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py",
+    "serve": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_serve.py",
     "report": "nice -n 5 env OMP_NUM_THREADS=2 python scripts/bench_report.py --corpus build/corpus/train.jsonl "
     "--tokens 1000000 --reps 1",
 }
@@ -530,6 +531,49 @@ materialised weights; pooled tensors from layers on different devices are gather
 """
 
 
+SERVE_LABELS = {
+    "offline": "offline `encode` (batch 32, no HTTP)",
+    "c1": "server, concurrency 1 (one request at a time)",
+    "c8": "server, concurrency 8",
+    "c32": "server, concurrency 32",
+    "c32_unbatched": "server without batching, concurrency 32",
+}
+
+
+def serve_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 9. Serving (`scripts/bench_serve.py`)"
+    name = "serving: concurrency 32 vs one request at a time / vs offline encode"
+    goal = ">= 3x / >= 0.85x"
+    if r is None:
+        return [title, "", _not_run("serve")], [["9", name, goal, "not run", "—"]]
+    lines = [
+        title,
+        "",
+        _command(r),
+        f"The bundled model, {r['texts']} length-mixed texts, one text per request (`/v1/embeddings`, "
+        f"float JSON), clients as threads of the server's process on loopback, {r['reps']} repetitions in "
+        f"rotating order (medians); 1-minute load average at the start {r['load_avg_1min_at_start']:.1f} "
+        "on the shared 2-core machine, so the absolute rates are noisy. Every response equals `encode` "
+        f"of its text (max abs difference {r['max_abs_diff_vs_encode']:.1e}).",
+        "",
+        "| variant | texts/s | p50 latency ms | p99 latency ms |",
+        "|---|---|---|---|",
+    ]
+    for key, v in r["variants"].items():
+        p50 = f"{v['p50_ms']:.0f}" if "p50_ms" in v else "—"
+        p99 = f"{v['p99_ms']:.0f}" if "p99_ms" in v else "—"
+        lines.append(f"| {SERVE_LABELS.get(key, key)} | {v['texts_per_s']:.1f} | {p50} | {p99} |")
+    lines += [
+        "",
+        f"Concurrency 32 vs 1: {_x(r['c32_vs_c1'])}; vs offline encode: {_x(r['c32_vs_offline'])}; "
+        f"vs the same load without batching: {_x(r['c32_vs_c32_unbatched'])}.",
+        "",
+    ]
+    ok = r["c32_vs_c1"] >= r["goal"]["c32_vs_c1"] and r["c32_vs_offline"] >= r["goal"]["c32_vs_offline"]
+    measured = f"{_x(r['c32_vs_c1'])} / {_x(r['c32_vs_offline'])}"
+    return lines, [["9", name, goal, measured, _status(ok)]]
+
+
 def machine_lines(results: list[dict]) -> list[str]:
     first = next((r for r in results if r is not None), None)
     if first is None:
@@ -560,6 +604,7 @@ def render(results_dir: Path, capture_json: Path) -> str:
         search_section(search, iso),
         recipes_section(get("recipes")),
         report_section(get("report")),
+        serve_section(get("serve")),
     ]
     rows = [row for _, part_rows in parts for row in part_rows]
     out = [

@@ -150,7 +150,11 @@ def test_progress_bar(tiny_embedder, capsys):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"texts": "a single string"}, TypeError, "list of str"),
+        (
+            {"texts": b"bytes, not text"},
+            TypeError,
+            "list of str",
+        ),  # one str is one text (test_embed_st_api.py)
         ({"texts": None}, TypeError, "texts must be"),
         ({"texts": ["ok", None]}, TypeError, r"texts\[1\] is None"),
         ({"texts": ["ok", 3]}, TypeError, r"texts\[1\] must be a str"),

@@ -12,6 +12,11 @@ are the ones the corpus was embedded with; any difference is an error naming bot
     moee search --embeddings corpus.npy --texts corpus.txt --query "a cat on a mat" -k 5
     moee search --embeddings corpus.npy --texts corpus.txt --query-file queries.txt --index-type ivf \\
         --save-index corpus.faiss            # later: --load-index corpus.faiss
+    moee search --embeddings corpus.npy --texts corpus.txt --query "a cat" --server http://127.0.0.1:8080
+
+With ``--server`` the queries are embedded by a running ``moee serve`` instead of a model loaded
+here, with the corpus's configuration sent explicitly; the server's weights digest
+(``/v1/models``) must be the sidecar's.
 """
 
 from __future__ import annotations
@@ -62,6 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--index-device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--batch-size", type=int, default=32, help="query embedding batch size")
     p.add_argument("--json", action="store_true", help="print one JSON object per query")
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="embed the queries with a running `moee serve` at URL instead of loading the model",
+    )
     add_loading_arguments(p)
     p.set_defaults(func=run)
 
@@ -127,18 +138,25 @@ def check_reference(config: EmbeddingConfig, meta: dict[str, Any], embeddings: s
 def check_weights(embedder: Any, meta: dict[str, Any], embeddings: str) -> None:
     """Refuse a model whose weights are not the ones the corpus was embedded with (the same path,
     retrained or replaced): queries and corpus would live in different spaces."""
-    recorded, now = meta.get("weights_digest"), embedder.weights_digest
+    check_digest(embedder.name_or_path, embedder.weights_digest, meta, embeddings)
+
+
+def check_digest(
+    name: Any, now: str, meta: dict[str, Any], embeddings: str, remedy: str = "(--model)"
+) -> None:
+    """:func:`check_weights` for a model known by its name and weights digest (a server's)."""
+    recorded = meta.get("weights_digest")
     if recorded is None:
         warnings.warn(
-            f"the sidecar of {embeddings} records no weights_digest: model {embedder.name_or_path} cannot be "
+            f"the sidecar of {embeddings} records no weights_digest: model {name} cannot be "
             "checked against the one the corpus was embedded with; re-run `moee embed` to record it",
             stacklevel=2,
         )
     elif recorded != now:
         raise ValueError(
-            f"model {embedder.name_or_path} has weights {now}, but {embeddings} was embedded with weights "
-            f"{recorded}: the model changed since; re-embed the corpus with it, or pass the model it was "
-            "embedded with (--model)"
+            f"model {name} has weights {now}, but {embeddings} was embedded with weights "
+            f"{recorded}: the model changed since; re-embed the corpus with it, or use the model it was "
+            f"embedded with {remedy}"
         )
 
 
@@ -178,6 +196,24 @@ def _recorded_model(meta: dict[str, Any]) -> str | None:
     return meta.get("model")
 
 
+def _server_encoder(args: argparse.Namespace, config: EmbeddingConfig, meta: dict[str, Any]):
+    """Queries embedded by the server at ``--server``, after checking it serves the corpus's weights."""
+    from moee.serving.client import ServerClient
+
+    if args.model is not None:
+        raise ValueError("--model and --server exclude each other: the server's model embeds the queries")
+    client = ServerClient(args.server)
+    card = client.model_card()
+    check_digest(
+        f"{card['id']} served at {args.server}",
+        client.weights_digest,
+        meta,
+        args.embeddings,
+        "(another --server)",
+    )
+    return lambda texts: client.embed(texts, config)
+
+
 def run(args: argparse.Namespace) -> int:
     k = check_positive_int("-k", args.k)
     batch_size = check_positive_int("--batch-size", args.batch_size)
@@ -205,14 +241,18 @@ def run(args: argparse.Namespace) -> int:
             )
         index.check_source(source["data_sha256"], args.embeddings)
 
-    args.model = args.model or _recorded_model(meta)
-    embedder = load_from_args(
-        args,
-        dtype=args.dtype or meta.get("model_dtype"),
-        load_in_4bit=args.load_in_4bit or bool(meta.get("load_in_4bit")),
-    )
-    check_weights(embedder, meta, args.embeddings)
-    check_config_fits_model(embedder, config)
+    if args.server:
+        encode = _server_encoder(args, config, meta)
+    else:
+        args.model = args.model or _recorded_model(meta)
+        embedder = load_from_args(
+            args,
+            dtype=args.dtype or meta.get("model_dtype"),
+            load_in_4bit=args.load_in_4bit or bool(meta.get("load_in_4bit")),
+        )
+        check_weights(embedder, meta, args.embeddings)
+        check_config_fits_model(embedder, config)
+        encode = make_encoder(embedder, config, batch_size)
     if not args.load_index:
         index = VectorIndex.build(
             embeddings, kind=args.index_type, nlist=args.nlist, nprobe=args.nprobe, device=args.index_device
@@ -220,7 +260,6 @@ def run(args: argparse.Namespace) -> int:
     if args.save_index:
         with output_lock(args.save_index, "--save-index"):
             index.save(args.save_index, source=source, overwrite=args.overwrite)
-    encode = make_encoder(embedder, config, batch_size)
     scores, ids = index.search(encode(queries), k)
 
     wanted = {int(i) for i in ids.ravel() if i >= 0}

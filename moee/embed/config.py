@@ -60,6 +60,8 @@ __all__ = [
     "check_trace_settings",
     "config_label",
     "load_model_config",
+    "load_model_prompts",
+    "normalize_prompts",
     "prompt_templates",
     "resolve_config",
     "save_model_config",
@@ -609,9 +611,63 @@ def load_model_config(
     return config
 
 
-def save_model_config(config: EmbeddingConfig, directory: str | PathLike) -> Path:
-    """Write ``config`` as a model folder's :data:`MODEL_CONFIG_FILE` (returns its path). A
-    reference is copied into the folder (``.safetensors`` and ``.json``) and named relative to it."""
+def normalize_prompts(prompts: Mapping[str, Any] | None) -> dict[str, str | tuple[str, ...] | None]:
+    """A model's named prompts (name -> any ``prompt`` value: ``None``, a name, a ``{text}`` template
+    or an ensemble), each checked like ``EmbeddingConfig.prompt``; ``query`` and ``document`` are
+    what ``encode_query`` / ``encode_document`` use, the way sentence-transformers names them."""
+    if prompts is None:
+        return {}
+    if not isinstance(prompts, Mapping):
+        raise TypeError(f"prompts must be a mapping of name -> prompt, got {type(prompts).__name__}")
+    out: dict[str, str | tuple[str, ...] | None] = {}
+    for name, prompt in prompts.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a prompt name must be a non-empty str, got {name!r}")
+        try:
+            prompt = normalize_prompt(prompt)
+            prompt_templates(prompt)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"prompt {name!r}: {exc}") from None
+        out[name] = prompt
+    return out
+
+
+def load_model_prompts(
+    name_or_path: str | PathLike,
+    *,
+    local_only: bool = False,
+    revision: str | None = None,
+    cache_dir: str | PathLike | None = None,
+) -> dict[str, str | tuple[str, ...] | None]:
+    """The named prompts saved with a model (the ``prompts`` object of its
+    :data:`MODEL_CONFIG_FILE`; empty when it has none)."""
+    path = _model_file(
+        name_or_path, MODEL_CONFIG_FILE, local_only=local_only, revision=revision, cache_dir=cache_dir
+    )
+    if path is None:
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    prompts = doc.get("prompts") if isinstance(doc, dict) else None
+    try:
+        return normalize_prompts(
+            {k: list(v) if isinstance(v, list) else v for k, v in (prompts or {}).items()}
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def save_model_config(
+    config: EmbeddingConfig,
+    directory: str | PathLike,
+    *,
+    prompts: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``config`` as a model folder's :data:`MODEL_CONFIG_FILE` (returns its path), with the
+    model's named ``prompts`` (:func:`normalize_prompts`) when given. A reference is copied into
+    the folder (``.safetensors`` and ``.json``) and named relative to it."""
     if not isinstance(config, EmbeddingConfig):
         raise TypeError(f"config must be an EmbeddingConfig, got {type(config).__name__}")
     config.numeric_alpha()  # a model's configuration embeds texts: 'auto' is the evaluation's
@@ -627,7 +683,14 @@ def save_model_config(config: EmbeddingConfig, directory: str | PathLike) -> Pat
             if not target.exists() or not target.samefile(source):
                 shutil.copyfile(source, target)
         values["reference"] = tensors.name
-    doc = {"format": MODEL_CONFIG_FORMAT, "format_version": MODEL_CONFIG_VERSION, "config": values}
+    doc: dict[str, Any] = {
+        "format": MODEL_CONFIG_FORMAT,
+        "format_version": MODEL_CONFIG_VERSION,
+        "config": values,
+    }
+    named = normalize_prompts(prompts)
+    if named:
+        doc["prompts"] = {k: list(v) if isinstance(v, tuple) else v for k, v in named.items()}
     path = directory / MODEL_CONFIG_FILE
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return path

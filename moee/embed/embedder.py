@@ -38,7 +38,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,10 +54,12 @@ from moee.embed.config import (
     EmbeddingConfig,
     check_trace_settings,
     load_model_config,
+    load_model_prompts,
+    normalize_prompts,
     resolve_config,
     save_model_config,
 )
-from moee.embed.methods import DEFAULT_SCORE, output_dim
+from moee.embed.methods import DEFAULT_SCORE, output_dim, similarity
 from moee.embed.prompts import resolve_prompt
 from moee.embed.recipes import (
     Tokenized,
@@ -170,6 +172,8 @@ class MoEEmbedder:
     the ``moee_embedding.json`` of the model's local folder (``name_or_path``, else the model's
     ``name_or_path``), ``None`` when it has none. Every keyword ``encode`` / ``trace`` leave out comes
     from it, else from ``EmbeddingConfig()`` (:func:`moee.embed.config.resolve_config`).
+    ``prompts`` are the model's named prompts (``encode(prompt_name=...)``, ``encode_query``,
+    ``encode_document``): by default the ``prompts`` of that same file.
     """
 
     def __init__(
@@ -180,6 +184,7 @@ class MoEEmbedder:
         max_length: int | None = None,
         name_or_path: str | None = None,
         model_config: EmbeddingConfig | None = None,
+        prompts: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -220,6 +225,12 @@ class MoEEmbedder:
             model_config
             if model_config is not None
             else load_model_config(self.name_or_path, local_only=True)
+        )
+        #: Named prompts (name -> prompt), e.g. ``{"query": "query: {text}", "document": None}``.
+        self.prompts = (
+            normalize_prompts(prompts)
+            if prompts is not None
+            else load_model_prompts(self.name_or_path, local_only=True)
         )
         self._digest: str | None = None
 
@@ -283,14 +294,22 @@ class MoEEmbedder:
             hf_kwargs["dtype"] = dtype
         loaded = load_model(name_or_path, options, **hf_kwargs)
         name, revision = split_revision(name_or_path)
-        model_config = load_model_config(  # the model's own embedding configuration, also from the Hub
-            name, revision=hf_kwargs.get("revision", revision), cache_dir=hf_kwargs.get("cache_dir")
+        hub = {"revision": hf_kwargs.get("revision", revision), "cache_dir": hf_kwargs.get("cache_dir")}
+        model_config = load_model_config(
+            name, **hub
+        )  # the model's own embedding configuration, also from the Hub
+        prompts = load_model_prompts(name, **hub)
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            name_or_path=name_or_path,
+            model_config=model_config,
+            prompts=prompts,
         )
-        return cls(loaded.model, loaded.tokenizer, name_or_path=name_or_path, model_config=model_config)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write the model (safetensors), its tokenizer and its embedding configuration
-        (``moee_embedding.json``, with a reference copied beside it) to ``directory``; the folder
+        (``moee_embedding.json`` with the named prompts, a reference copied beside it) to ``directory``; the folder
         then loads with :meth:`from_pretrained` and embeds exactly like this embedder does with no
         keyword given. Returns the folder."""
         directory = Path(directory)
@@ -298,7 +317,7 @@ class MoEEmbedder:
         self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
         config = self.default_config
-        save_model_config(config, directory)
+        save_model_config(config, directory, prompts=self.prompts)
         if config.reference is not None:
             self._restamp_reference(directory / Path(config.reference).name)
         return directory
@@ -544,7 +563,7 @@ class MoEEmbedder:
 
     def encode(
         self,
-        texts: Sequence[str],
+        texts: str | Sequence[str],
         *,
         method: str = MODEL_DEFAULT,
         pooling: str = MODEL_DEFAULT,
@@ -559,8 +578,14 @@ class MoEEmbedder:
         hs_layer: int | tuple[int, int] | range | None = MODEL_DEFAULT,
         rw_layers: Sequence[int] | dict[int, float] | None = MODEL_DEFAULT,
         reference: str | Path | None = MODEL_DEFAULT,
-    ) -> np.ndarray:
-        """Embed ``texts``: float32 ``[len(texts), dim]``, rows in input order.
+        prompt_name: str | None = None,
+        normalize_embeddings: bool | None = None,
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+        device: str | torch.device | None = None,
+    ) -> np.ndarray | torch.Tensor | list[torch.Tensor]:
+        """Embed ``texts``: float32 ``[len(texts), dim]``, rows in input order (one ``str``: its
+        1-D vector).
 
         ``method`` is ``hs``, ``rw``, ``moee_concat`` or ``moee_sum`` (see ``moee.embed.methods``);
         ``pooling`` ``last`` or ``mean``; ``score`` ``native`` (the default: the architecture's own
@@ -576,8 +601,30 @@ class MoEEmbedder:
         A keyword left out comes from the model's saved configuration (:attr:`model_config`, its
         folder's ``moee_embedding.json``), else from ``EmbeddingConfig()`` (:meth:`resolve_config`).
         Instead of these keywords, ``config`` may give them as one :class:`EmbeddingConfig`.
+
+        The sentence-transformers keywords: ``prompt_name`` picks a prompt of :attr:`prompts` (it
+        replaces the configuration's prompt); ``normalize_embeddings`` is ``normalize``;
+        ``convert_to_tensor`` returns a ``torch.Tensor``, ``convert_to_numpy=False`` a list of 1-D
+        tensors; ``device`` is where the model runs, so it must be the model's device (load the
+        model there: ``from_pretrained(..., device=...)``).
         """
-        texts = check_texts(texts)
+        single = isinstance(texts, str)
+        texts = check_texts([texts] if single else texts)
+        if normalize_embeddings is not None:
+            if normalize is not MODEL_DEFAULT:
+                raise TypeError(
+                    "pass normalize or normalize_embeddings (its sentence-transformers name), not both"
+                )
+            normalize = bool(normalize_embeddings)
+        self._check_device(device)
+        if prompt_name is not None:
+            named = self.named_prompt(prompt_name)
+            if prompt is not MODEL_DEFAULT:
+                raise TypeError(f"pass prompt or prompt_name={prompt_name!r}, not both")
+            if config is not None:
+                config = config.replace(prompt=named)
+            else:
+                prompt = named
         config = self._config(
             config,
             method=method,
@@ -593,9 +640,90 @@ class MoEEmbedder:
         )
         alpha = config.numeric_alpha()
         if not texts:
-            return np.zeros((0, self.config_dim(config)), dtype=np.float32)
-        hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
-        return combine_features(hs, rw, config.method, alpha=alpha, normalize=config.normalize)
+            vectors = np.zeros((0, self.config_dim(config)), dtype=np.float32)
+        else:
+            hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
+            vectors = combine_features(hs, rw, config.method, alpha=alpha, normalize=config.normalize)
+        if single:
+            vectors = vectors[0]
+        if convert_to_tensor:
+            return torch.from_numpy(vectors).to(self.device)
+        if not convert_to_numpy:
+            tensors = torch.from_numpy(vectors).to(self.device)
+            return tensors if single else list(tensors)
+        return vectors
+
+    def _check_device(self, device: str | torch.device | None) -> None:
+        if device is None:
+            return
+        wanted, here = torch.device(device), self.device
+        if wanted.type != here.type or (wanted.index is not None and wanted.index != here.index):
+            raise ValueError(
+                f"device={str(device)!r}: the model is on {here}; moee does not move a loaded model per call, "
+                "load it there instead: MoEEmbedder.from_pretrained(..., device=...)"
+            )
+
+    def named_prompt(self, name: str) -> str | tuple[str, ...] | None:
+        """The prompt :attr:`prompts` names ``name`` (an error lists the names there are)."""
+        if name not in self.prompts:
+            have = ", ".join(sorted(self.prompts)) or "none"
+            raise ValueError(
+                f"prompt_name={name!r} is not one of the model's prompts ({have}); add it to the "
+                "'prompts' of its moee_embedding.json, or set embedder.prompts[name]"
+            )
+        return self.prompts[name]
+
+    def encode_query(self, texts: str | Sequence[str], **kwargs: Any) -> Any:
+        """``encode`` with the model's ``query`` prompt (:attr:`prompts`; without one, the model's
+        configured prompt), as sentence-transformers' ``encode_query``."""
+        return self._encode_role("query", texts, kwargs)
+
+    def encode_document(self, texts: str | Sequence[str], **kwargs: Any) -> Any:
+        """``encode`` with the model's ``document`` prompt (:attr:`prompts`; without one, the
+        model's configured prompt), as sentence-transformers' ``encode_document``."""
+        return self._encode_role("document", texts, kwargs)
+
+    def _encode_role(self, role: str, texts: Any, kwargs: dict[str, Any]) -> Any:
+        if "prompt_name" not in kwargs and "prompt" not in kwargs and role in self.prompts:
+            kwargs["prompt_name"] = role
+        return self.encode(texts, **kwargs)
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """How the default configuration's vectors compare (``moee.embed.methods``: cosine for every
+        method; MoEE sum is built so that its cosine is the paper's ``cos_h + alpha cos_r``)."""
+        return self.default_config.spec.similarity
+
+    def similarity(self, a: Any, b: Any) -> Any:
+        """The ``[len(a), len(b)]`` similarity matrix of two embedding sets (or single vectors) under
+        :attr:`similarity_fn_name`; numpy in, numpy out; a tensor in, a tensor out."""
+        return similarity(a, b, self.similarity_fn_name)
+
+    def token_counter(self) -> MoEEmbedder:
+        """A view of this embedder with its own copy of the tokenizer and its own lock: its
+        :meth:`token_lengths` (and tokenizer) can run on another thread while this embedder's forwards
+        hold the model's lock (a server counts the tokens of new requests during a forward). Only
+        for tokenizing: its forwards would not be serialised with this embedder's."""
+        import copy
+
+        view = copy.copy(self)
+        view.tokenizer = copy.deepcopy(self.tokenizer)
+        view._lock = threading.RLock()
+        view._calls = threading.local()
+        return view
+
+    def token_lengths(self, texts: Sequence[str], config: EmbeddingConfig | None = None) -> list[int]:
+        """Tokens each text's forward runs on under ``config`` (its prompt template and recipe
+        included, after the cut to ``max_length``; an ensemble: its longest prompt): what a server
+        budgets batches with."""
+        texts = check_texts(texts)
+        config = config if config is not None else self.default_config
+        lengths = [0] * len(texts)
+        with self._lock:
+            for template in config.prompt_templates:
+                for i, tok in enumerate(self._tokenize_recipe(texts, template, config.recipe)):
+                    lengths[i] = max(lengths[i], len(tok.ids))
+        return lengths
 
     def _config(self, config: EmbeddingConfig | None, **keywords: Any) -> EmbeddingConfig:
         """``config``, or the keywords given resolved against the model's configuration."""

@@ -40,9 +40,11 @@ __all__ = [
     "POOLINGS",
     "SCORES",
     "Method",
+    "SIMILARITIES",
     "combine",
     "method_spec",
     "output_dim",
+    "similarity",
 ]
 
 
@@ -84,7 +86,8 @@ class Method:
     ``width(d_h, d_r)`` is the vector width for hidden size ``d_h`` and ``d_r = layers * experts``;
     ``combine(h, r, alpha)`` maps float64 ``[n, d_h]`` / ``[n, d_r]`` rows (``None`` for an input
     the method does not use) to ``[n, width]``; ``uses_alpha`` says whether ``alpha`` changes the
-    vectors (only then is it recorded in result folders and labels).
+    vectors (only then is it recorded in result folders and labels); ``similarity`` is how two of its
+    vectors compare (a key of :data:`SIMILARITIES`).
     """
 
     name: str
@@ -94,6 +97,7 @@ class Method:
     uses_hs: bool = True
     uses_rw: bool = True
     uses_alpha: bool = False
+    similarity: str = "cosine"
 
 
 #: The embedding methods, in the order of tables and ``METHODS``.
@@ -138,6 +142,43 @@ def combine(
     if normalize:
         out = _unit_rows(out)
     return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _unit_rows(a) @ _unit_rows(b).T
+
+
+#: Similarity functions of embedding matrices ``[n, d]``, ``[m, d]`` -> ``[n, m]`` (float64).
+SIMILARITIES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "cosine": _cosine,
+    "dot": lambda a, b: a @ b.T,
+}
+
+
+def similarity(a, b, name: str = "cosine"):
+    """``[len(a), len(b)]`` similarities of two embedding sets (a 1-D vector is a set of one) under
+    ``name``; float32 numpy, or a torch tensor when ``a`` is one."""
+    fn = SIMILARITIES[check_choice("similarity", name, tuple(SIMILARITIES))]
+    as_tensor = hasattr(a, "detach") and hasattr(a, "cpu")
+    device = a.device if as_tensor else None
+    mats = []
+    for name_, x in (("a", a), ("b", b)):
+        if hasattr(x, "detach"):
+            x = x.detach().cpu().numpy()
+        arr = np.asarray(x, dtype=np.float64)
+        if arr.ndim == 1:
+            arr = arr[None, :]
+        if arr.ndim != 2:
+            raise ValueError(f"{name_} must be a vector or a matrix of embeddings, got shape {arr.shape}")
+        mats.append(arr)
+    if mats[0].shape[1] != mats[1].shape[1]:
+        raise ValueError(f"a and b have different widths: {mats[0].shape[1]} vs {mats[1].shape[1]}")
+    out = np.ascontiguousarray(fn(*mats), dtype=np.float32)
+    if as_tensor:
+        import torch
+
+        return torch.from_numpy(out).to(device)
+    return out
 
 
 def output_dim(method: str, hidden_size: int, n_layers: int, n_experts: int) -> int:

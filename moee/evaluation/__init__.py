@@ -1,6 +1,7 @@
 """MTEB evaluation: the mteb adapter, offline tasks, the paper's suite, alpha, result tables.
 
-- ``adapter``: ``MoEEMTEBEncoder`` (a ``MoEEmbedder`` as an mteb encoder), ``TraceCache``,
+- ``adapter``: ``MoEEMTEBEncoder`` (a ``MoEEmbedder`` as an mteb encoder), ``get_model`` (the
+  encoder of a model and configuration, like ``mteb.get_model``), ``TraceCache``,
   ``load_baseline_encoder`` (all-MiniLM-L6-v2);
 - ``tasks``: mteb tasks over the committed offline data (``offline_tasks``);
 - ``paper``: the paper's 19 tasks and published numbers;
@@ -17,6 +18,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "MoEEMTEBEncoder": "adapter",
+    "get_model": "adapter",
     "TraceCache": "adapter",
     "load_baseline_encoder": "adapter",
     "offline_tasks": "tasks",

