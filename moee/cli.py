@@ -20,6 +20,7 @@ COMMANDS = (
     "simulate",
     "quickstart",
     "upcycle",
+    "ablate",
 )
 
 
