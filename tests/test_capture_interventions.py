@@ -167,9 +167,13 @@ def test_bad_requests_are_refused(tiny_olmoe) -> None:
         pass
     with pytest.raises(ValueError, match="mode must be"), disable_experts(tiny_olmoe, [(0, 1)], mode="cut"):
         pass
-    with pytest.raises(ValueError, match="all 8 experts"), disable_experts(tiny_olmoe, [(0, e) for e in range(8)]):
+    with (
+        pytest.raises(ValueError, match="all 8 experts"),
+        disable_experts(tiny_olmoe, [(0, e) for e in range(8)]),
+    ):
         pass
-    with pytest.raises(ValueError, match="not the same architecture"), swap_routers(
-        tiny_olmoe, tiny_model("olmoe", n_layers=3)
+    with (
+        pytest.raises(ValueError, match="not the same architecture"),
+        swap_routers(tiny_olmoe, tiny_model("olmoe", n_layers=3)),
     ):
         pass

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,9 @@ class LossCorpus:
             yield ids, mask
 
 
-def read_corpus(path: str | Path, *, field: str | None = None, domain_field: str | None = None) -> Iterator[tuple[str, str]]:
+def read_corpus(
+    path: str | Path, *, field: str | None = None, domain_field: str | None = None
+) -> Iterator[tuple[str, str]]:
     """``(text, domain)`` of each text of a .txt/.jsonl/.parquet corpus, lazily (the domain is
     :data:`DEFAULT_DOMAIN` without ``domain_field``; ``domain_field`` needs a .jsonl corpus)."""
     from moee.io import check_input_file, input_format, iter_jsonl, read_texts
@@ -178,7 +181,7 @@ def intervention_loss(
 ) -> torch.Tensor:
     """Per predicted token (corpus order) the next-token loss under ``intervention()``, float32 ``[N]``."""
     out = []
-    with (intervention() if intervention is not None else nullcontext()), torch.inference_mode():
+    with intervention() if intervention is not None else nullcontext(), torch.inference_mode():
         for ids, mask in corpus.batches(batch_size):
             out.append(_batch_losses(model, ids, mask))
     return torch.cat(out)
@@ -198,7 +201,9 @@ class Baseline:
 
     def by_domain(self, values: torch.Tensor) -> dict[str, float]:
         """The mean of per-token ``values`` in each domain."""
-        sums = torch.zeros(len(self.domain_names), dtype=torch.float64).index_add_(0, self.domains, values.double())
+        sums = torch.zeros(len(self.domain_names), dtype=torch.float64).index_add_(
+            0, self.domains, values.double()
+        )
         counts = torch.bincount(self.domains, minlength=len(self.domain_names)).clamp_min(1)
         return {d: float(s / c) for d, s, c in zip(self.domain_names, sums, counts)}
 
@@ -264,7 +269,9 @@ def baseline(
                 block = moe_block(model, spec)
             except ValueError:
                 continue
-            handles.append(block.experts.register_forward_pre_hook(_activation_hook(spec, scores, i), with_kwargs=True))
+            handles.append(
+                block.experts.register_forward_pre_hook(_activation_hook(spec, scores, i), with_kwargs=True)
+            )
         with torch.inference_mode():
             for ids, mask in corpus.batches(batch_size):
                 with RoutingRecorder(model, specs, pooling="tokens") as rec:
@@ -338,7 +345,9 @@ def expert_importance(
         loss = intervention_loss(
             model,
             corpus,
-            lambda: disable_experts(model, [(layer, expert)], mode=mode, renormalize=renormalize, routers=specs),
+            partial(
+                disable_experts, model, [(layer, expert)], mode=mode, renormalize=renormalize, routers=specs
+            ),
             batch_size=batch_size,
         )
         delta, by_domain = _effect(base, loss)
@@ -356,8 +365,15 @@ def expert_importance(
             loss = intervention_loss(
                 model,
                 corpus,
-                lambda: drop_assignments(
-                    model, layer, rate, mode=mode, renormalize=renormalize, seed=seed + 1000 * layer + expert, routers=specs
+                partial(
+                    drop_assignments,
+                    model,
+                    layer,
+                    rate,
+                    mode=mode,
+                    renormalize=renormalize,
+                    seed=seed + 1000 * layer + expert,
+                    routers=specs,
                 ),
                 batch_size=batch_size,
             )
@@ -377,7 +393,10 @@ def expert_importance(
     correlation = {
         "pooled": spearman([r["delta"] for r in rows], [r["load"] for r in rows]),
         "by_layer": {
-            str(layer): spearman([r["delta"] for r in rows if r["layer"] == layer], [r["load"] for r in rows if r["layer"] == layer])
+            str(layer): spearman(
+                [r["delta"] for r in rows if r["layer"] == layer],
+                [r["load"] for r in rows if r["layer"] == layer],
+            )
             for layer in layers
         },
     }
@@ -385,7 +404,10 @@ def expert_importance(
         correlation["pooled_excess"] = spearman([r["excess"] for r in rows], [r["load"] for r in rows])
     return {
         "n_tokens": len(base.losses),
-        "domains": {d: int(c) for d, c in zip(base.domain_names, torch.bincount(base.domains, minlength=len(base.domain_names)))},
+        "domains": {
+            d: int(c)
+            for d, c in zip(base.domain_names, torch.bincount(base.domains, minlength=len(base.domain_names)))
+        },
         "mode": mode,
         "renormalize": renormalize,
         "base": {"loss": float(base.losses.double().mean()), "loss_by_domain": base.by_domain(base.losses)},
@@ -399,13 +421,18 @@ def expert_importance(
         ),
         "experts": rows,
         "spearman_importance_load": correlation,
-        "super_experts": super_experts(model, corpus, base, mode=mode, renormalize=renormalize, ratio=super_ratio, batch_size=batch_size),
+        "super_experts": super_experts(
+            model, corpus, base, mode=mode, renormalize=renormalize, ratio=super_ratio, batch_size=batch_size
+        ),
         "cost": {
             "baseline_seconds": base.seconds,
             "ablation_seconds": ablation_seconds,
             "passes": len(rows) * (2 if null else 1),
             "seconds_per_expert": ablation_seconds / max(len(rows), 1),
-            "tokens_per_second": len(base.losses) * len(rows) * (2 if null else 1) / max(ablation_seconds, 1e-9),
+            "tokens_per_second": len(base.losses)
+            * len(rows)
+            * (2 if null else 1)
+            / max(ablation_seconds, 1e-9),
         },
     }
 
@@ -434,12 +461,25 @@ def super_experts(
     result: dict[str, Any] = {
         "ratio": ratio,
         "median_max_activation": median,
-        "flagged": [{"layer": i, "expert": e, "max_activation": float(scores[i, e]), "over_median": float(scores[i, e]) / median} for i, e in flagged],
+        "flagged": [
+            {
+                "layer": i,
+                "expert": e,
+                "max_activation": float(scores[i, e]),
+                "over_median": float(scores[i, e]) / median,
+            }
+            for i, e in flagged
+        ],
         "delta": None,
         "delta_by_domain": None,
     }
-    top = sorted(((float(scores[i, e]), i, e) for i in range(scores.shape[0]) for e in range(scores.shape[1])), reverse=True)[:5]
-    result["largest"] = [{"layer": i, "expert": e, "over_median": v / median if median else None} for v, i, e in top]
+    top = sorted(
+        ((float(scores[i, e]), i, e) for i in range(scores.shape[0]) for e in range(scores.shape[1])),
+        reverse=True,
+    )[:5]
+    result["largest"] = [
+        {"layer": i, "expert": e, "over_median": v / median if median else None} for v, i, e in top
+    ]
     if flagged:
         by_layer: dict[int, int] = {}
         for i, _ in flagged:
@@ -448,7 +488,10 @@ def super_experts(
             result["note"] = "every expert of a layer is flagged; not disabled"
             return result
         loss = intervention_loss(
-            model, corpus, lambda: disable_experts(model, flagged, mode=mode, renormalize=renormalize, routers=base.routers), batch_size=batch_size
+            model,
+            corpus,
+            lambda: disable_experts(model, flagged, mode=mode, renormalize=renormalize, routers=base.routers),
+            batch_size=batch_size,
         )
         result["delta"], result["delta_by_domain"] = _effect(base, loss)
     return result
@@ -471,11 +514,18 @@ def router_swap(
         loss = intervention_loss(
             model,
             corpus,
-            lambda: swap_routers(model, donor, None if layer is None else [layer], routers=specs),
+            partial(swap_routers, model, donor, None if layer is None else [layer], routers=specs),
             batch_size=batch_size,
         )
         delta, by_domain = _effect(base, loss)
-        rows.append({"layer": "all" if layer is None else layer, "router": "all" if layer is None else specs[layer].name, "delta": delta, "delta_by_domain": by_domain})
+        rows.append(
+            {
+                "layer": "all" if layer is None else layer,
+                "router": "all" if layer is None else specs[layer].name,
+                "delta": delta,
+                "delta_by_domain": by_domain,
+            }
+        )
     return {
         "n_tokens": len(base.losses),
         "base": {"loss": float(base.losses.double().mean()), "loss_by_domain": base.by_domain(base.losses)},
@@ -510,7 +560,9 @@ def steering_effect(
                 context = bias_experts(model, biases, routers=specs) if steer else nullcontext()
                 with context, RoutingRecorder(model, specs, pooling="tokens") as rec:
                     rec.set_batch(mask)
-                    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+                    logits = model(
+                        input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+                    ).logits
                     picks.append(rec.token_selection())
                 if not steer:
                     base_logp = logits.float().log_softmax(-1)
@@ -533,12 +585,12 @@ def steering_effect(
     b = steered / np.maximum(np.linalg.norm(steered, axis=1, keepdims=True), 1e-12)
     cosine = (a * b).sum(1)
     return {
-        "biases": [{"layer": l, "expert": e, "bias": float(v)} for (l, e), v in biases.items()],
+        "biases": [{"layer": i, "expert": e, "bias": float(v)} for (i, e), v in biases.items()],
         "n_tokens": n,
         "kl_next_token": kl_sum / max(n, 1),
         "selection_rate": [
-            {"layer": l, "expert": e, "before": c[0] / max(n_real, 1), "after": c[1] / max(n_real, 1)}
-            for (l, e), c in counts.items()
+            {"layer": i, "expert": e, "before": c[0] / max(n_real, 1), "after": c[1] / max(n_real, 1)}
+            for (i, e), c in counts.items()
         ],
         "embedding_cosine": {
             "n_texts": len(texts),

@@ -87,7 +87,9 @@ def _check_pairs(pairs: Iterable[tuple[int, int]], specs: Sequence[RouterSpec]) 
         except (TypeError, ValueError):
             raise ValueError(f"experts are (moe_layer, expert) pairs, got {pair!r}") from None
         if not 0 <= layer < len(specs):
-            raise ValueError(f"MoE layer {layer} out of range: the model has {len(specs)} MoE layers (0..{len(specs) - 1})")
+            raise ValueError(
+                f"MoE layer {layer} out of range: the model has {len(specs)} MoE layers (0..{len(specs) - 1})"
+            )
         if not 0 <= expert < specs[layer].n_experts:
             raise ValueError(
                 f"expert {expert} out of range in MoE layer {layer} ({specs[layer].n_experts} experts)"
@@ -185,7 +187,10 @@ def _find_dispatch(args: tuple, kwargs: dict) -> tuple[tuple[str, object], tuple
     """Where the ``indices [N, k]`` and ``weights [N, k]`` of an experts call are: (('arg', i) | ('kw', name)) x 2."""
     slots = [("arg", i, v) for i, v in enumerate(args)] + [("kw", k, v) for k, v in kwargs.items()]
     tensors = [(kind, key, v) for kind, key, v in slots if isinstance(v, torch.Tensor)]
-    index = next((s for s in tensors if not s[2].is_floating_point() and s[2].dim() == 2 and s[2].dtype != torch.bool), None)
+    index = next(
+        (s for s in tensors if not s[2].is_floating_point() and s[2].dim() == 2 and s[2].dtype != torch.bool),
+        None,
+    )
     if index is None:
         return None
     weights = next((s for s in tensors if s[2].is_floating_point() and s[2].shape == index[2].shape), None)
@@ -209,7 +214,9 @@ def _dispatch_hook(block: nn.Module, spec: RouterSpec, keep_fn: DispatchEdit, re
         new = torch.where(keep, weights, torch.zeros_like(weights))
         if renormalize:
             total, left = weights.sum(-1, keepdim=True), new.sum(-1, keepdim=True)
-            new = torch.where(left != 0, new * (total / torch.where(left != 0, left, torch.ones_like(left))), new)
+            new = torch.where(
+                left != 0, new * (total / torch.where(left != 0, left, torch.ones_like(left))), new
+            )
         if wk == "arg":
             args = (*args[:wkey], new, *args[wkey + 1 :])
         else:
@@ -288,7 +295,9 @@ def disable_experts(
     if mode not in DISABLE_MODES:
         raise ValueError(f"mode must be one of {DISABLE_MODES}, got {mode!r}")
     if mode == "reselect" and renormalize:
-        raise ValueError('renormalize applies to mode="zero"; in "reselect" mode the router weights by its own rule')
+        raise ValueError(
+            'renormalize applies to mode="zero"; in "reselect" mode the router weights by its own rule'
+        )
     specs = _routers(model, routers)
     grouped = _check_pairs(experts, specs)
 
@@ -400,7 +409,9 @@ def swap_routers(
     specs = _routers(model, routers)
     donors = find_routers(donor)
     if len(donors) != len(specs):
-        raise ValueError(f"the donor has {len(donors)} MoE layers, the model {len(specs)}: not the same architecture")
+        raise ValueError(
+            f"the donor has {len(donors)} MoE layers, the model {len(specs)}: not the same architecture"
+        )
     chosen = sorted(set(range(len(specs)) if layers is None else (int(i) for i in layers)))
     for i in chosen:
         if not 0 <= i < len(specs):

@@ -35,7 +35,9 @@ def _pair(text: str) -> tuple[int, int]:
         layer, expert = text.split(":")
         return int(layer), int(expert)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LAYER:EXPERT (MoE-layer position), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected LAYER:EXPERT (MoE-layer position), got {text!r}"
+        ) from None
 
 
 def _steer(text: str) -> tuple[tuple[int, int], float]:
@@ -59,18 +61,28 @@ def register(subparsers) -> None:
     p.add_argument("--corpus", required=True, help=".txt (one text a line), .jsonl or .parquet file")
     p.add_argument("--field", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
     p.add_argument("--domain-field", default=None, help="field of a .jsonl corpus holding each text's domain")
-    p.add_argument("--layers", type=int, nargs="+", default=None, help="MoE-layer positions to ablate (default: all)")
+    p.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="MoE-layer positions to ablate (default: all)"
+    )
     p.add_argument("--experts", type=_pair, nargs="+", default=None, metavar="L:E", help="only these experts")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens of the corpus used (default: 4096)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per chunk (default: 128)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--mode", choices=("reselect", "zero"), default="reselect", help="how an expert is disabled")
+    p.add_argument(
+        "--mode", choices=("reselect", "zero"), default="reselect", help="how an expert is disabled"
+    )
     p.add_argument("--renormalize", action="store_true", help="--mode zero: the other weights keep the total")
     p.add_argument("--no-null", action="store_true", help="skip the load-matched null (half the passes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the null's draws (default: 0)")
-    p.add_argument("--super-ratio", type=float, default=10.0, help="super-expert threshold over the median (default: 10)")
-    p.add_argument("--swap-from", default=None, metavar="CKPT", help="router swap with this checkpoint instead")
-    p.add_argument("--steer", type=_steer, nargs="+", default=None, metavar="L:E=BIAS", help="steering effect instead")
+    p.add_argument(
+        "--super-ratio", type=float, default=10.0, help="super-expert threshold over the median (default: 10)"
+    )
+    p.add_argument(
+        "--swap-from", default=None, metavar="CKPT", help="router swap with this checkpoint instead"
+    )
+    p.add_argument(
+        "--steer", type=_steer, nargs="+", default=None, metavar="L:E=BIAS", help="steering effect instead"
+    )
     p.add_argument("--steer-texts", type=int, default=64, help="texts embedded for --steer (default: 64)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
@@ -134,7 +146,9 @@ def importance_markdown(result: dict[str, Any], command: str) -> str:
         beyond = sum(1 for r in rows if r["excess"] > 0)
         lines += ["", f"{beyond} of {len(rows)} experts cost more than their load-matched null."]
     sup = result["super_experts"]
-    flagged = ", ".join(f"{f['layer']}:{f['expert']} ({f['over_median']:.1f}x)" for f in sup["flagged"]) or "none"
+    flagged = (
+        ", ".join(f"{f['layer']}:{f['expert']} ({f['over_median']:.1f}x)" for f in sup["flagged"]) or "none"
+    )
     lines += [
         "",
         f"Super experts (largest output |activation| >= {sup['ratio']:g}x the median expert's "
@@ -142,7 +156,9 @@ def importance_markdown(result: dict[str, Any], command: str) -> str:
     ]
     if sup["delta"] is not None:
         lines.append(f"Disabling them together: {_fmt(sup['delta'])} nats/token.")
-    largest = ", ".join(f"{f['layer']}:{f['expert']} ({f['over_median']:.1f}x)" for f in sup["largest"] if f["over_median"])
+    largest = ", ".join(
+        f"{f['layer']}:{f['expert']} ({f['over_median']:.1f}x)" for f in sup["largest"] if f["over_median"]
+    )
     lines += [f"Largest activations: {largest}.", ""]
     cost = result["cost"]
     lines.append(
@@ -166,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
 
     for name in ("max_tokens", "seq_len", "batch_size", "steer_texts"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"
+            )
     if args.swap_from and args.steer:
         raise ValueError("--swap-from and --steer are two analyses: run them one at a time")
     out = Path(args.out)
@@ -184,7 +202,11 @@ def run(args: argparse.Namespace) -> int:
         from moee.loading import load_model
 
         donor = load_model(args.swap_from, load_options(args), tokenizer=False).model.eval()
-        result = {**router_swap(model, donor, corpus, batch_size=args.batch_size), "donor": args.swap_from, "meta": meta}
+        result = {
+            **router_swap(model, donor, corpus, batch_size=args.batch_size),
+            "donor": args.swap_from,
+            "meta": meta,
+        }
         write_json_atomic(out / "swap.json", result)
         domains = list(result["base"]["loss_by_domain"])
         _write_csv(out / "swap.csv", result["swaps"], domains)
@@ -194,9 +216,14 @@ def run(args: argparse.Namespace) -> int:
     if args.steer:
         biases = dict(args.steer)
         texts = [t for t, _ in pairs[: args.steer_texts]]
-        result = {**steering_effect(embedder, corpus, texts, biases, batch_size=args.batch_size), "meta": meta}
+        result = {
+            **steering_effect(embedder, corpus, texts, biases, batch_size=args.batch_size),
+            "meta": meta,
+        }
         write_json_atomic(out / "steering.json", result)
-        print(f"KL(next token) {result['kl_next_token']:.4f} nats; embedding cosine {result['embedding_cosine']['mean']:.4f}")
+        print(
+            f"KL(next token) {result['kl_next_token']:.4f} nats; embedding cosine {result['embedding_cosine']['mean']:.4f}"
+        )
         return 0
     from moee.capture.registry import find_routers
 
@@ -205,7 +232,9 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is not None:
         for layer in args.layers:
             if not 0 <= layer < len(specs):
-                raise ValueError(f"--layers: MoE layer {layer} out of range (the model has {len(specs)} MoE layers)")
+                raise ValueError(
+                    f"--layers: MoE layer {layer} out of range (the model has {len(specs)} MoE layers)"
+                )
         chosen = experts or [(i, e) for i in args.layers for e in range(specs[i].n_experts)]
         experts = [p for p in chosen if p[0] in set(args.layers)]
     result = expert_importance(
