@@ -21,6 +21,7 @@ COMMANDS = (
     "quickstart",
     "upcycle",
     "ablate",
+    "routes",
 )
 
 

@@ -1,6 +1,6 @@
 """Regenerate BENCHMARKS.md from the benchmark result files (no figure is typed by hand).
 
-Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,gpu_check}.json`` and
+Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,ablate,gpu_check}.json`` and
 ``docs/bench_capture.json``; a missing file is reported as "not run" with its command.
 
     python scripts/write_benchmarks_md.py [--results bench/results] [--out BENCHMARKS.md]
@@ -24,6 +24,7 @@ COMMANDS = {
     "search_isotropic": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py --isotropic",
     "gpu_check": "python scripts/gpu_check.py   # on a GPU machine; --tiny for a CPU smoke test",
     "recipes": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py",
+    "ablate": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py",
     "report": "nice -n 5 env OMP_NUM_THREADS=2 python scripts/bench_report.py --corpus build/corpus/train.jsonl "
     "--tokens 1000000 --reps 1",
 }
@@ -482,6 +483,43 @@ def report_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
     return lines, [row]
 
 
+def ablate_section(a: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 9. Expert ablation cost (`scripts/bench_ablate.py`)"
+    if a is None:
+        return [title, "", _not_run("ablate")], [
+            ["9", "moee ablate: seconds per expert", "—", "not run", "—"]
+        ]
+    med, ratio = a["median_s"], a["ratio_to_plain"]
+    lines = [
+        title,
+        "",
+        _command(a),
+        f"Model {a['model']} ({a['n_moe_layers']} MoE layers, {a['n_experts']} experts in all); {a['tokens']:,} predicted "
+        f"tokens of the held-out corpus, batch {a['batch_size']}. Each disabled expert is one forward pass over the "
+        "corpus, its load-matched null one more; the baseline (losses, loads, activation scores) runs once.",
+        "",
+        "| pass | median seconds | / plain forward |",
+        "|---|---|---|",
+        f"| plain forward with the loss | {med['plain']:.2f} | 1.00x |",
+        f"| one expert disabled, `reselect` | {med['reselect']:.2f} | {_x(ratio['reselect'])} |",
+        f"| one expert disabled, `zero` | {med['zero']:.2f} | {_x(ratio['zero'])} |",
+        f"| load-matched null | {med['null']:.2f} | {_x(ratio['null'])} |",
+        f"| baseline (once) | {a['baseline_s']:.2f} | |",
+        "",
+        f"Cost per expert (disabled + null): **{a['per_expert_s']:.2f} s** for {a['tokens']:,} tokens; all "
+        f"{a['n_experts']} experts: ~{a['full_run_estimate_s']:.0f} s. It scales linearly in tokens and experts.",
+        "",
+    ]
+    row = [
+        "9",
+        "moee ablate: seconds per expert (disabled + null)",
+        "—",
+        f"{a['per_expert_s']:.2f} s / {a['tokens']:,} tokens",
+        "—",
+    ]
+    return lines, [row]
+
+
 def gpu_section(g: dict | None) -> list[str]:
     lines = ["## GPU check (`scripts/gpu_check.py`)", ""]
     if g is None or g.get("tiny"):
@@ -560,6 +598,7 @@ def render(results_dir: Path, capture_json: Path) -> str:
         search_section(search, iso),
         recipes_section(get("recipes")),
         report_section(get("report")),
+        ablate_section(get("ablate")),
     ]
     rows = [row for _, part_rows in parts for row in part_rows]
     out = [

@@ -175,3 +175,23 @@ def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> 
     assert main([*argv, "--overwrite", "--swap-from", tiny_model_dir]) == 0
     swap = json.loads((out / "swap.json").read_text())
     assert all(r["delta"] == 0.0 for r in swap["swaps"])
+
+
+def test_routing_table_round_trips_through_parquet_and_pandas(tiny_embedder, tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from moee.analysis.routing_export import routing_table, write_routing_parquet
+
+    texts = ["the cat sat", "a dog ran in the park"]
+    table = routing_table(tiny_embedder, texts, ids=["t0", "t1"], dense=True)
+    frame = table.to_pandas()
+    routes = list(tiny_embedder.iter_token_routes(texts, prompt=None))
+    assert len(frame) == sum(len(r.input_ids) for r in routes)
+    second = frame[frame.text_id == "t1"]
+    assert second.position.tolist() == list(range(len(routes[1].input_ids)))
+    assert list(second.layer1_experts.iloc[2]) == routes[1].selection[2, 1].tolist()
+    probs = routes[1].probs[2, 1]
+    assert list(second.layer1_weights.iloc[2]) == pytest.approx(probs[routes[1].selection[2, 1]].tolist())
+    assert len(second.layer0_probs.iloc[0]) == tiny_embedder.n_experts
+    path = write_routing_parquet(table, tmp_path / "routes.parquet")
+    assert pq.read_table(path).equals(table)
