@@ -13,6 +13,7 @@ expert disabled by re-selection (``reselect``) and by zeroing (``zero``), the lo
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from functools import partial
 from pathlib import Path
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.tokens,
     )
     specs = find_routers(model)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     base = baseline(model, corpus, batch_size=args.batch_size, routers=specs)
-    baseline_s = time.perf_counter() - t0
+    baseline_s, baseline_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     layer, expert = 0, int(base.load[0].argmax())
     rate = float(base.load[layer, expert])
     run = partial(intervention_loss, model, corpus, batch_size=args.batch_size)
@@ -68,10 +69,23 @@ def main(argv: list[str] | None = None) -> int:
         "zero": lambda: run(partial(disable_experts, model, [(layer, expert)], mode="zero", routers=specs)),
         "null": lambda: run(partial(drop_assignments, model, layer, rate, routers=specs)),
     }
-    times = time_interleaved(variants, repeats=args.reps, warmup=1)
-    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+
+    def on_cpu(name: str, fn):
+        def call():
+            start = time.process_time()
+            fn()
+            cpu[name].append(time.process_time() - start)
+
+        return call
+
+    times = time_interleaved({k: on_cpu(k, f) for k, f in variants.items()}, repeats=args.reps, warmup=1)
+    cpu = {k: v[1:] for k, v in cpu.items()}  # the warm-up call is not timed by wall either
+    median = {k: statistics.median(v) for k, v in times.items()}
+    median_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     n_experts = sum(s.n_experts for s in specs)
     per_expert = median["reselect"] + median["null"]
+    per_expert_cpu = median_cpu["reselect"] + median_cpu["null"]
     payload = {
         "model": label,
         "n_moe_layers": len(specs),
@@ -84,10 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_s": baseline_s,
         "per_expert_s": per_expert,
         "full_run_estimate_s": baseline_s + n_experts * per_expert,
+        # one thread: CPU seconds are what the run costs on an idle core, whatever the machine's load
+        "cpu_seconds": cpu,
+        "median_cpu_s": median_cpu,
+        "baseline_cpu_s": baseline_cpu_s,
+        "per_expert_cpu_s": per_expert_cpu,
+        "full_run_estimate_cpu_s": baseline_cpu_s + n_experts * per_expert_cpu,
     }
     path = write_result("ablate", payload, args.out)
     print(
-        f"{label}: {per_expert:.2f} s per expert (with its null) on {len(base.losses)} tokens; "
+        f"{label}: {per_expert_cpu:.2f} CPU s / {per_expert:.2f} wall s per expert (with its null) on {len(base.losses)} tokens; "
         f"all {n_experts} experts ~{payload['full_run_estimate_s']:.0f} s; wrote {path}"
     )
     return 0

@@ -489,35 +489,34 @@ def ablate_section(a: dict | None) -> tuple[list[str], list[list[str]]]:
         return [title, "", _not_run("ablate")], [
             ["9", "moee ablate: seconds per expert", "—", "not run", "—"]
         ]
-    med, ratio = a["median_s"], a["ratio_to_plain"]
+    med, cpu, ratio = a["median_s"], a["median_cpu_s"], a["ratio_to_plain"]
+    rows = [
+        ("plain forward with the loss", "plain", "1.00x"),
+        ("one expert disabled, `reselect`", "reselect", _x(ratio["reselect"])),
+        ("one expert disabled, `zero`", "zero", _x(ratio["zero"])),
+        ("load-matched null", "null", _x(ratio["null"])),
+    ]
     lines = [
         title,
         "",
         _command(a),
-        f"Model {a['model']} ({a['n_moe_layers']} MoE layers, {a['n_experts']} experts in all); {a['tokens']:,} predicted "
-        f"tokens of the held-out corpus, batch {a['batch_size']}. Each disabled expert is one forward pass over the "
-        "corpus, its load-matched null one more; the baseline (losses, loads, activation scores) runs once.",
+        f"Model {a['model']} ({a['n_moe_layers']} MoE layers, {a['n_experts']} experts in all); {a['tokens']:,} "
+        f"predicted tokens of the held-out corpus, batch {a['batch_size']}. Each disabled expert is one forward pass "
+        "over the corpus, its load-matched null one more; the baseline (losses, loads, activation scores) runs once. "
+        "Single-threaded: CPU seconds are the cost on an idle core; wall seconds also carry the machine's load.",
         "",
-        "| pass | median seconds | / plain forward |",
-        "|---|---|---|",
-        f"| plain forward with the loss | {med['plain']:.2f} | 1.00x |",
-        f"| one expert disabled, `reselect` | {med['reselect']:.2f} | {_x(ratio['reselect'])} |",
-        f"| one expert disabled, `zero` | {med['zero']:.2f} | {_x(ratio['zero'])} |",
-        f"| load-matched null | {med['null']:.2f} | {_x(ratio['null'])} |",
-        f"| baseline (once) | {a['baseline_s']:.2f} | |",
+        "| pass | median CPU seconds | median wall seconds | wall / plain forward |",
+        "|---|---|---|---|",
+        *(f"| {label} | {cpu[key]:.2f} | {med[key]:.2f} | {x} |" for label, key, x in rows),
+        f"| baseline (once) | {a['baseline_cpu_s']:.2f} | {a['baseline_s']:.2f} | |",
         "",
-        f"Cost per expert (disabled + null): **{a['per_expert_s']:.2f} s** for {a['tokens']:,} tokens; all "
-        f"{a['n_experts']} experts: ~{a['full_run_estimate_s']:.0f} s. It scales linearly in tokens and experts.",
+        f"Cost per expert (disabled + null): **{a['per_expert_cpu_s']:.2f} CPU s** ({a['per_expert_s']:.2f} s wall) "
+        f"for {a['tokens']:,} tokens; all {a['n_experts']} experts: ~{a['full_run_estimate_cpu_s']:.0f} CPU s. "
+        "It scales linearly in tokens and experts.",
         "",
     ]
-    row = [
-        "9",
-        "moee ablate: seconds per expert (disabled + null)",
-        "—",
-        f"{a['per_expert_s']:.2f} s / {a['tokens']:,} tokens",
-        "—",
-    ]
-    return lines, [row]
+    measured = f"{a['per_expert_cpu_s']:.2f} CPU s / {a['tokens']:,} tokens"
+    return lines, [["9", "moee ablate: cost per expert (disabled + null)", "—", measured, "—"]]
 
 
 def gpu_section(g: dict | None) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,11 @@ def importance_markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _progress(done: int, total: int) -> None:
+    if done == total or done % max(1, total // 10) == 0:
+        print(f"moee ablate: {done}/{total} experts", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from moee.analysis import command_line
     from moee.analysis.expert_importance import (
@@ -247,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         super_ratio=args.super_ratio,
         batch_size=args.batch_size,
+        progress=_progress,
     )
     result["meta"] = meta
     write_json_atomic(out / "importance.json", result)
