@@ -19,7 +19,7 @@ from moee.capture.interventions import (
     swap_routers,
 )
 from moee.capture.recorder import RoutingRecorder
-from moee.capture.registry import find_routers
+from moee.capture.registry import find_routers, supported_architectures
 from moee.capture.tiny import tiny_model
 
 ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "moee_lm")
@@ -177,3 +177,20 @@ def test_bad_requests_are_refused(tiny_olmoe) -> None:
         swap_routers(tiny_olmoe, tiny_model("olmoe", n_layers=3)),
     ):
         pass
+
+
+@pytest.mark.parametrize("model_type", supported_architectures())
+def test_force_and_reselect_act_on_every_supported_architecture(model_type) -> None:
+    """The logit edit reaches the router's own selection in every architecture capture supports."""
+    model = tiny_model(model_type)
+    ids = torch.randint(4, 100, (1, 6))
+    specs = find_routers(model)
+
+    def selection(context):
+        with torch.no_grad(), context, RoutingRecorder(model, specs, pooling="tokens") as rec:
+            rec.set_batch(torch.ones_like(ids))
+            model(input_ids=ids, use_cache=False)
+        return rec.token_selection()[:, :, 0]
+
+    assert bool((selection(force_experts(model, [(0, 1)], routers=specs)) == 1).any(-1).all())
+    assert not bool((selection(disable_experts(model, [(0, 1)], routers=specs)) == 1).any())

@@ -108,7 +108,9 @@ def moe_block(model: nn.Module, spec: RouterSpec) -> nn.Module:
         block = modules.get(".".join(parts[:cut]))
         if block is not None and isinstance(getattr(block, "experts", None), nn.Module):
             return block
-    raise ValueError(f"no MoE block with an `experts` module above router {spec.name}")
+    raise ValueError(
+        f'no MoE block with an `experts` module above router {spec.name}: mode="zero" needs one; use mode="reselect"'
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def moe_block(model: nn.Module, spec: RouterSpec) -> nn.Module:
 def _projection_weight(spec: RouterSpec) -> torch.Tensor | None:
     router = spec.router
     weight = getattr(router, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == spec.n_experts:
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] >= spec.n_experts:
         return weight
     linears = [m for m in router.modules() if isinstance(m, nn.Linear) and m.out_features == spec.n_experts]
     return linears[0].weight if linears else None
@@ -135,22 +137,30 @@ class _LogitMode(TorchFunctionMode):
 
     def _is_router_linear(self, args: tuple, kwargs: dict) -> bool:
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != self.n_experts:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < self.n_experts:
             return False
-        return self.weight is None or weight is self.weight or weight.shape == self.weight.shape
+        if self.weight is None:
+            return weight.shape[0] == self.n_experts
+        return weight is self.weight or weight.shape == self.weight.shape
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is F.linear and self.hits == 0 and self._is_router_linear(args, kwargs):
             self.hits += 1
-            out = out + self.edit(out.detach().float()).to(out.dtype)
+            edit = self.edit(out[..., : self.n_experts].detach().float()).to(out.dtype)
+            if out.shape[-1] > self.n_experts:  # routed columns first, then others (Inkling's shared gates)
+                edit = F.pad(
+                    edit.expand(*out.shape[:-1], self.n_experts), (0, out.shape[-1] - self.n_experts)
+                )
+            out = out + edit
         return out
 
 
 def _logit_hooks(spec: RouterSpec, edit: LogitEdit) -> list:
     """Hooks that add ``edit(logits)`` to ``spec``'s logits before its selection."""
-    if isinstance(spec.module, nn.Linear) and spec.module.out_features == spec.n_experts:
+    plain = isinstance(spec.module, nn.Linear) and type(spec.module).forward is nn.Linear.forward
+    if plain and spec.module.out_features == spec.n_experts:  # its output is the logits tensor
 
         def on_linear(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
             return output + edit(output.detach().float()).to(output.dtype)
