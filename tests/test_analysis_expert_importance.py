@@ -177,6 +177,15 @@ def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> 
     assert all(r["delta"] == 0.0 for r in swap["swaps"])
 
 
+def test_build_corpus_caps_tokens_overall_and_per_domain(tiny_embedder) -> None:
+    texts = [("the cat sat on the mat " * 4, "a")] * 5 + [("a dog ran in the park " * 4, "b")] * 5
+    plain = build_corpus(texts, tiny_embedder.tokenizer, seq_len=8, max_tokens=60)
+    assert sum(len(c) for c in plain.ids) == 60 and set(plain.domains) == {"a"}  # sorted corpus: one domain
+    capped = build_corpus(texts, tiny_embedder.tokenizer, seq_len=8, max_tokens=60, per_domain_tokens=30)
+    per = {d: sum(len(c) for c, x in zip(capped.ids, capped.domains) if x == d) for d in ("a", "b")}
+    assert per == {"a": 30, "b": 30} and max(len(c) for c in capped.ids) <= 8
+
+
 def test_routing_table_round_trips_through_parquet_and_pandas(tiny_embedder, tmp_path) -> None:
     import pyarrow.parquet as pq
 

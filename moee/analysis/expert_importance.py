@@ -132,27 +132,32 @@ def build_corpus(
     *,
     seq_len: int = 128,
     max_tokens: int | None = None,
+    per_domain_tokens: int | None = None,
 ) -> LossCorpus:
     """Tokenise ``(text, domain)`` pairs into chunks of at most ``seq_len`` tokens, stopping at
-    ``max_tokens`` tokens in all (chunks of one token predict nothing and are dropped)."""
+    ``max_tokens`` tokens in all; ``per_domain_tokens`` caps each domain (so a corpus sorted by
+    domain still gives every domain its share). Chunks of one token predict nothing and are dropped."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     chunks, domains, total = [], [], 0
+    taken: dict[str, int] = {}
     for text, domain in texts:
+        if max_tokens is not None and total >= max_tokens:
+            break
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         for start in range(0, len(ids), seq_len):
-            piece = ids[start : start + seq_len]
+            room = [len(ids)]
             if max_tokens is not None:
-                piece = piece[: max_tokens - total]
+                room.append(max_tokens - total)
+            if per_domain_tokens is not None:
+                room.append(per_domain_tokens - taken.get(domain, 0))
+            piece = ids[start : start + min(seq_len, *room)]
             if len(piece) < 2:
-                continue
+                break
             chunks.append(torch.tensor(piece, dtype=torch.long))
             domains.append(domain)
             total += len(piece)
-            if max_tokens is not None and total >= max_tokens:
-                break
-        if max_tokens is not None and total >= max_tokens:
-            break
+            taken[domain] = taken.get(domain, 0) + len(piece)
     if not chunks:
         raise ValueError("the corpus gives no text of two tokens or more")
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -340,7 +345,7 @@ def expert_importance(
     if experts is None:
         experts = [(i, e) for i, s in enumerate(specs) for e in range(s.n_experts)]
     rows = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for n, (layer, expert) in enumerate(experts):
         loss = intervention_loss(
             model,
@@ -382,7 +387,7 @@ def expert_importance(
         rows.append(row)
         if progress is not None:
             progress(n + 1, len(experts))
-    ablation_seconds = time.perf_counter() - t0
+    ablation_seconds, ablation_cpu = time.perf_counter() - t0, time.process_time() - c0
     by_importance = sorted(range(len(rows)), key=lambda j: -rows[j]["delta"])
     by_load = sorted(range(len(rows)), key=lambda j: -rows[j]["load"])
     for rank, j in enumerate(by_importance, start=1):
@@ -429,6 +434,7 @@ def expert_importance(
             "ablation_seconds": ablation_seconds,
             "passes": len(rows) * (2 if null else 1),
             "seconds_per_expert": ablation_seconds / max(len(rows), 1),
+            "cpu_seconds_per_expert": ablation_cpu / max(len(rows), 1),
             "tokens_per_second": len(base.losses)
             * len(rows)
             * (2 if null else 1)

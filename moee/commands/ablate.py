@@ -25,6 +25,7 @@ import argparse
 import csv
 import shlex
 import sys
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--experts", type=_pair, nargs="+", default=None, metavar="L:E", help="only these experts")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens of the corpus used (default: 4096)")
+    p.add_argument(
+        "--per-domain-tokens",
+        type=int,
+        default=None,
+        help="at most N tokens of each domain (default: no cap)",
+    )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per chunk (default: 128)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument(
@@ -163,7 +170,9 @@ def importance_markdown(result: dict[str, Any], command: str) -> str:
     lines += [f"Largest activations: {largest}.", ""]
     cost = result["cost"]
     lines.append(
-        f"Cost: {cost['seconds_per_expert']:.2f} s per expert ({cost['passes']} passes, "
+        f"Cost: {cost['seconds_per_expert']:.2f} s wall"
+        + (f", {cost['cpu_seconds_per_expert']:.2f} s CPU" if "cpu_seconds_per_expert" in cost else "")
+        + f" per expert ({cost['passes']} passes, "
         f"{cost['tokens_per_second']:.0f} tokens/s), baseline {cost['baseline_seconds']:.1f} s."
     )
     return "\n".join(lines) + "\n"
@@ -186,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
     from moee.cli_options import load_from_args
     from moee.io import run_metadata, write_json_atomic
 
-    for name in ("max_tokens", "seq_len", "batch_size", "steer_texts"):
-        if getattr(args, name) < 1:
+    for name in ("max_tokens", "seq_len", "batch_size", "steer_texts", "per_domain_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"
             )
@@ -199,8 +208,14 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     embedder = load_from_args(args)
     model = embedder.model
-    pairs = list(read_corpus(args.corpus, field=args.field, domain_field=args.domain_field))
-    corpus = build_corpus(pairs, embedder.tokenizer, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    pairs = read_corpus(args.corpus, field=args.field, domain_field=args.domain_field)  # read lazily
+    corpus = build_corpus(
+        pairs,
+        embedder.tokenizer,
+        seq_len=args.seq_len,
+        max_tokens=args.max_tokens,
+        per_domain_tokens=args.per_domain_tokens,
+    )
     command = shlex.join(command_line(args))
     meta = {**run_metadata(command_line(args)), "model": args.model or "bundled default model"}
     if args.swap_from:
@@ -221,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.steer:
         biases = dict(args.steer)
-        texts = [t for t, _ in pairs[: args.steer_texts]]
+        rows = read_corpus(args.corpus, field=args.field, domain_field=args.domain_field)
+        texts = [t for t, _ in islice(rows, args.steer_texts)]
         result = {
             **steering_effect(embedder, corpus, texts, biases, batch_size=args.batch_size),
             "meta": meta,
