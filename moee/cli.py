@@ -21,6 +21,8 @@ COMMANDS = (
     "quickstart",
     "upcycle",
     "serve",
+    "ablate",
+    "routes",
 )
 
 

@@ -1,6 +1,6 @@
 """Regenerate BENCHMARKS.md from the benchmark result files (no figure is typed by hand).
 
-Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,gpu_check}.json`` and
+Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,ablate,gpu_check}.json`` and
 ``docs/bench_capture.json``; a missing file is reported as "not run" with its command.
 
     python scripts/write_benchmarks_md.py [--results bench/results] [--out BENCHMARKS.md]
@@ -25,6 +25,7 @@ COMMANDS = {
     "gpu_check": "python scripts/gpu_check.py   # on a GPU machine; --tiny for a CPU smoke test",
     "recipes": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py",
     "serve": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_serve.py",
+    "ablate": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py",
     "report": "nice -n 5 env OMP_NUM_THREADS=2 python scripts/bench_report.py --corpus build/corpus/train.jsonl "
     "--tokens 1000000 --reps 1",
 }
@@ -483,6 +484,42 @@ def report_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
     return lines, [row]
 
 
+def ablate_section(a: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 10. Expert ablation cost (`scripts/bench_ablate.py`)"
+    if a is None:
+        return [title, "", _not_run("ablate")], [
+            ["9", "moee ablate: seconds per expert", "—", "not run", "—"]
+        ]
+    med, cpu, ratio = a["median_s"], a["median_cpu_s"], a["ratio_to_plain"]
+    rows = [
+        ("plain forward with the loss", "plain", "1.00x"),
+        ("one expert disabled, `reselect`", "reselect", _x(ratio["reselect"])),
+        ("one expert disabled, `zero`", "zero", _x(ratio["zero"])),
+        ("load-matched null", "null", _x(ratio["null"])),
+    ]
+    lines = [
+        title,
+        "",
+        _command(a),
+        f"Model {a['model']} ({a['n_moe_layers']} MoE layers, {a['n_experts']} experts in all); {a['tokens']:,} "
+        f"predicted tokens of the held-out corpus, batch {a['batch_size']}. Each disabled expert is one forward pass "
+        "over the corpus, its load-matched null one more; the baseline (losses, loads, activation scores) runs once. "
+        "Single-threaded: CPU seconds are the cost on an idle core; wall seconds also carry the machine's load.",
+        "",
+        "| pass | median CPU seconds | median wall seconds | wall / plain forward |",
+        "|---|---|---|---|",
+        *(f"| {label} | {cpu[key]:.2f} | {med[key]:.2f} | {x} |" for label, key, x in rows),
+        f"| baseline (once) | {a['baseline_cpu_s']:.2f} | {a['baseline_s']:.2f} | |",
+        "",
+        f"Cost per expert (disabled + null): **{a['per_expert_cpu_s']:.2f} CPU s** ({a['per_expert_s']:.2f} s wall) "
+        f"for {a['tokens']:,} tokens; all {a['n_experts']} experts: ~{a['full_run_estimate_cpu_s']:.0f} CPU s. "
+        "It scales linearly in tokens and experts.",
+        "",
+    ]
+    measured = f"{a['per_expert_cpu_s']:.2f} CPU s / {a['tokens']:,} tokens"
+    return lines, [["9", "moee ablate: cost per expert (disabled + null)", "—", measured, "—"]]
+
+
 def gpu_section(g: dict | None) -> list[str]:
     lines = ["## GPU check (`scripts/gpu_check.py`)", ""]
     if g is None or g.get("tiny"):
@@ -605,6 +642,7 @@ def render(results_dir: Path, capture_json: Path) -> str:
         recipes_section(get("recipes")),
         report_section(get("report")),
         serve_section(get("serve")),
+        ablate_section(get("ablate")),
     ]
     rows = [row for _, part_rows in parts for row in part_rows]
     out = [

@@ -1,0 +1,280 @@
+"""`moee ablate`: causal tests of experts through routing hooks (`moee.analysis.expert_importance`).
+
+By default, expert importance: for each expert of each MoE layer (or ``--layers`` / ``--experts``)
+the change in next-token loss (nats/token) when it is disabled, overall and per ``--domain-field``,
+beside the load-matched null (each token loses, with probability the expert's load, one of its k
+selected experts drawn uniformly), the Spearman correlation of importance with load, and the
+super experts (largest output |activation| at least ``--super-ratio`` times the median expert's)
+with the loss effect of disabling them. ``--mode reselect`` (default) masks the expert's logit
+before the router's top-k (the router chooses another); ``--mode zero`` zeroes its weight after
+the selection (``--renormalize``: the token's other weights keep its total).
+
+``--swap-from CKPT``: instead, the loss change per MoE layer (and for all layers) when that layer's
+router comes from CKPT (same architecture). ``--steer L:E=BIAS ...``: instead, the change in the
+next-token distribution (mean KL, nats) and in the embedding (cosine to the unsteered one, the
+model's own embedding configuration) when those router logits are biased.
+
+Writes into ``--out``: ``importance.json`` + ``experts.csv`` + ``README.md`` (a reading generated
+from the JSON, with the command), or ``swap.json`` + ``swap.csv``, or ``steering.json``. The corpus is read
+lazily up to ``--max-tokens`` tokens (chunks of ``--seq-len``); memory is one batch plus O(tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shlex
+import sys
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+OUTPUTS = ("importance.json", "experts.csv", "README.md", "swap.json", "swap.csv", "steering.json")
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        layer, expert = text.split(":")
+        return int(layer), int(expert)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected LAYER:EXPERT (MoE-layer position), got {text!r}"
+        ) from None
+
+
+def _steer(text: str) -> tuple[tuple[int, int], float]:
+    try:
+        pair, value = text.split("=")
+        return _pair(pair), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER:EXPERT=BIAS, got {text!r}") from None
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ablate",
+        help="expert importance / router swap / steering effect: causal tests through routing hooks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from moee.loading import add_loading_arguments
+
+    add_loading_arguments(p)
+    p.add_argument("--corpus", required=True, help=".txt (one text a line), .jsonl or .parquet file")
+    p.add_argument("--field", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
+    p.add_argument("--domain-field", default=None, help="field of a .jsonl corpus holding each text's domain")
+    p.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="MoE-layer positions to ablate (default: all)"
+    )
+    p.add_argument("--experts", type=_pair, nargs="+", default=None, metavar="L:E", help="only these experts")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens of the corpus used (default: 4096)")
+    p.add_argument(
+        "--per-domain-tokens",
+        type=int,
+        default=None,
+        help="at most N tokens of each domain (default: no cap)",
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per chunk (default: 128)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--mode", choices=("reselect", "zero"), default="reselect", help="how an expert is disabled"
+    )
+    p.add_argument("--renormalize", action="store_true", help="--mode zero: the other weights keep the total")
+    p.add_argument("--no-null", action="store_true", help="skip the load-matched null (half the passes)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the null's draws (default: 0)")
+    p.add_argument(
+        "--super-ratio", type=float, default=10.0, help="super-expert threshold over the median (default: 10)"
+    )
+    p.add_argument(
+        "--swap-from", default=None, metavar="CKPT", help="router swap with this checkpoint instead"
+    )
+    p.add_argument(
+        "--steer", type=_steer, nargs="+", default=None, metavar="L:E=BIAS", help="steering effect instead"
+    )
+    p.add_argument("--steer-texts", type=int, default=64, help="texts embedded for --steer (default: 64)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    p.set_defaults(func=run)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], domains: list[str]) -> None:
+    flat = []
+    for row in rows:
+        out = {k: v for k, v in row.items() if not isinstance(v, dict)}
+        for key in ("delta_by_domain", "null_by_domain"):
+            for d in domains:
+                if key in row:
+                    out[f"{key.removesuffix('_by_domain')}[{d}]"] = row[key][d]
+        flat.append(out)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:+.{digits}f}" if abs(x) < 100 else f"{x:.3g}"
+
+
+def importance_markdown(result: dict[str, Any], command: str) -> str:
+    """A short reading of ``importance.json``, generated from it."""
+    rows = result["experts"]
+    corr = result["spearman_importance_load"]
+    top = sorted(rows, key=lambda r: -r["delta"])[:10]
+    has_null = result["null"] is not None
+    lines = [
+        "# Expert importance by ablation",
+        "",
+        "Generated by `moee ablate` from `importance.json` (do not edit). Regenerate with:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"{len(rows)} experts disabled one at a time (mode `{result['mode']}`) on {result['n_tokens']} predicted tokens "
+        f"({', '.join(f'{d}: {n}' for d, n in result['domains'].items())}). Base loss {result['base']['loss']:.4f} nats/token.",
+        f"Importance = loss(disabled) - loss(base), nats/token. Null: {result['null'] or 'not run'}.",
+        "",
+        f"**Spearman(importance, load) = {_fmt(corr['pooled'], 3)}** over all experts"
+        + (f"; of importance minus null: {_fmt(corr.get('pooled_excess'), 3)}" if has_null else "")
+        + "; per layer: "
+        + ", ".join(f"L{k} {_fmt(v, 2)}" for k, v in corr["by_layer"].items())
+        + ".",
+        "",
+        "| rank | layer:expert | load | importance | null | excess | load rank | most affected domain |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in top:
+        worst = max(r["delta_by_domain"].items(), key=lambda kv: kv[1])
+        lines.append(
+            f"| {r['importance_rank']} | {r['layer']}:{r['expert']} | {r['load']:.3f} | {_fmt(r['delta'])} | "
+            f"{_fmt(r.get('null'))} | {_fmt(r.get('excess'))} | {r['load_rank']} | {worst[0]} ({_fmt(worst[1])}) |"
+        )
+    if has_null:
+        beyond = sum(1 for r in rows if r["excess"] > 0)
+        lines += ["", f"{beyond} of {len(rows)} experts cost more than their load-matched null."]
+    sup = result["super_experts"]
+    flagged = (
+        ", ".join(f"{f['layer']}:{f['expert']} ({f['over_median']:.1f}x)" for f in sup["flagged"]) or "none"
+    )
+    lines += [
+        "",
+        f"Super experts (largest output |activation| >= {sup['ratio']:g}x the median expert's "
+        f"{sup['median_max_activation']:.3g}): {flagged}.",
+    ]
+    if sup["delta"] is not None:
+        lines.append(f"Disabling them together: {_fmt(sup['delta'])} nats/token.")
+    largest = ", ".join(
+        f"{f['layer']}:{f['expert']} ({f['over_median']:.1f}x)" for f in sup["largest"] if f["over_median"]
+    )
+    lines += [f"Largest activations: {largest}.", ""]
+    cost = result["cost"]
+    lines.append(
+        f"Cost: {cost['seconds_per_expert']:.2f} s wall"
+        + (f", {cost['cpu_seconds_per_expert']:.2f} s CPU" if "cpu_seconds_per_expert" in cost else "")
+        + f" per expert ({cost['passes']} passes, "
+        f"{cost['tokens_per_second']:.0f} tokens/s), baseline {cost['baseline_seconds']:.1f} s."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _progress(done: int, total: int) -> None:
+    if done == total or done % max(1, total // 10) == 0:
+        print(f"moee ablate: {done}/{total} experts", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moee.analysis import command_line
+    from moee.analysis.expert_importance import (
+        build_corpus,
+        expert_importance,
+        read_corpus,
+        router_swap,
+        steering_effect,
+    )
+    from moee.cli_options import load_from_args
+    from moee.io import run_metadata, write_json_atomic
+
+    for name in ("max_tokens", "seq_len", "batch_size", "steer_texts", "per_domain_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"
+            )
+    if args.swap_from and args.steer:
+        raise ValueError("--swap-from and --steer are two analyses: run them one at a time")
+    out = Path(args.out)
+    if out.exists() and any((out / name).exists() for name in OUTPUTS) and not args.overwrite:
+        raise FileExistsError(f"{out} already holds results; pass --overwrite to replace them")
+    out.mkdir(parents=True, exist_ok=True)
+    embedder = load_from_args(args)
+    model = embedder.model
+    pairs = read_corpus(args.corpus, field=args.field, domain_field=args.domain_field)  # read lazily
+    corpus = build_corpus(
+        pairs,
+        embedder.tokenizer,
+        seq_len=args.seq_len,
+        max_tokens=args.max_tokens,
+        per_domain_tokens=args.per_domain_tokens,
+    )
+    command = shlex.join(command_line(args))
+    meta = {**run_metadata(command_line(args)), "model": args.model or "bundled default model"}
+    if args.swap_from:
+        from moee.cli_options import load_options
+        from moee.loading import load_model
+
+        donor = load_model(args.swap_from, load_options(args), tokenizer=False).model.eval()
+        result = {
+            **router_swap(model, donor, corpus, batch_size=args.batch_size),
+            "donor": args.swap_from,
+            "meta": meta,
+        }
+        write_json_atomic(out / "swap.json", result)
+        domains = list(result["base"]["loss_by_domain"])
+        _write_csv(out / "swap.csv", result["swaps"], domains)
+        for row in result["swaps"]:
+            print(f"router of layer {row['layer']} from donor: {row['delta']:+.4f} nats/token")
+        return 0
+    if args.steer:
+        biases = dict(args.steer)
+        rows = read_corpus(args.corpus, field=args.field, domain_field=args.domain_field)
+        texts = [t for t, _ in islice(rows, args.steer_texts)]
+        result = {
+            **steering_effect(embedder, corpus, texts, biases, batch_size=args.batch_size),
+            "meta": meta,
+        }
+        write_json_atomic(out / "steering.json", result)
+        print(
+            f"KL(next token) {result['kl_next_token']:.4f} nats; embedding cosine {result['embedding_cosine']['mean']:.4f}"
+        )
+        return 0
+    from moee.capture.registry import find_routers
+
+    specs = find_routers(model)
+    experts = args.experts
+    if args.layers is not None:
+        for layer in args.layers:
+            if not 0 <= layer < len(specs):
+                raise ValueError(
+                    f"--layers: MoE layer {layer} out of range (the model has {len(specs)} MoE layers)"
+                )
+        chosen = experts or [(i, e) for i in args.layers for e in range(specs[i].n_experts)]
+        experts = [p for p in chosen if p[0] in set(args.layers)]
+    result = expert_importance(
+        model,
+        corpus,
+        experts=experts,
+        mode=args.mode,
+        renormalize=args.renormalize,
+        null=not args.no_null,
+        seed=args.seed,
+        super_ratio=args.super_ratio,
+        batch_size=args.batch_size,
+        progress=_progress,
+    )
+    result["meta"] = meta
+    write_json_atomic(out / "importance.json", result)
+    _write_csv(out / "experts.csv", result["experts"], list(result["domains"]))
+    (out / "README.md").write_text(importance_markdown(result, command), encoding="utf-8")
+    corr = result["spearman_importance_load"]["pooled"]
+    print(f"{len(result['experts'])} experts; Spearman(importance, load) = {_fmt(corr, 3)}; wrote {out}")
+    return 0
