@@ -449,7 +449,8 @@ def test_cli_fit_reference_then_embed_with_recipes(tmp_path, tiny_model_dir):
         "-1",
     ]
     assert main(args) == 2  # fitted without --hs-layer: refused, naming the difference
-    assert main(args[:-2] + ["--method", "rw", "--rw-layers", "0:1,1:0.5"]) == 2
+    # a subset of the MoE layers it was fitted on (all): their statistics, then the weights
+    assert main(args[:-2] + ["--method", "rw", "--rw-layers", "0:1,1:0.5"]) == 0
     assert main(args[:-2]) == 0
     meta = read_metadata(out)
     assert meta["recipe"] == "echo" and meta["prompt"] == ["prompteol", "meaning"]

@@ -64,8 +64,10 @@ from moee.embed.recipes import (
     combine_features,
     recipe_hooks,
     recipe_spec,
+    rw_layer_indices,
     select_hs,
     select_rw,
+    weigh_rw,
 )
 from moee.embed.validation import check_positive_int, check_texts
 
@@ -644,9 +646,18 @@ class MoEEmbedder:
                 recipe=config.recipe,
             )
             hs = trace.hs if config.hs_layer is None else select_hs(trace.hs_all_layers, config.hs_layer)
-            rw = trace.rw if config.rw_layers is None else select_rw(trace.rw, config.rw_layers)
+            if config.rw_layers is None:
+                rw = trace.rw
+            else:  # weights after the z-scores: standardising weighted layers would undo the weights
+                rw = select_rw(trace.rw, config.rw_layers, weighted=False)
             if reference is not None:
-                hs, rw = reference.apply(hs, rw)
+                layers = rw_layer_indices(config.rw_layers)
+                n_layers = trace.rw.shape[1]
+                hs, rw = reference.apply(
+                    hs, rw, rw_layers=None if layers is None else sorted(i % n_layers for i in layers)
+                )
+            if config.rw_layers is not None:
+                rw = weigh_rw(rw, config.rw_layers, trace.rw.shape[1])
             hs_out.append(hs)
             rw_out.append(rw)
         return np.stack(hs_out, axis=1), np.stack(rw_out, axis=1)
@@ -671,7 +682,9 @@ class MoEEmbedder:
         texts = check_texts(texts)
         check_reference_size(len(texts))  # before any work: a std needs two texts
         config = self._config(config, **keywords).replace(reference=None)
-        hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        # the layers' statistics only: weights apply after standardisation, so they do not change them
+        unweighted = config.replace(rw_layers=rw_layer_indices(config.rw_layers))
+        hs, rw = self.features(texts, unweighted, batch_size=batch_size, show_progress_bar=show_progress_bar)
         prompts = hs.shape[1]
         meta = {
             "model": {"name": str(self.name_or_path), "revision": self.weights_digest},

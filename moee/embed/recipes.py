@@ -51,9 +51,12 @@ __all__ = [
     "parse_hs_layer",
     "parse_rw_layers",
     "recipe_spec",
+    "resolve_rw_layers",
+    "rw_layer_indices",
     "select_hs",
     "select_rw",
     "token_prepending_layers",
+    "weigh_rw",
 ]
 
 #: The first copy of the text in echo embeddings (Springer et al. 2024's wording); the second copy,
@@ -409,9 +412,21 @@ def parse_rw_layers(value: Any) -> tuple[int, ...] | tuple[tuple[int, float], ..
     return tuple(sorted(indices))
 
 
-def select_rw(rw: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...]) -> np.ndarray:
-    """``[n, L, E] -> [n, L', E]``: the named MoE layers, in model order, each multiplied by its weight."""
-    n_layers = rw.shape[1]
+def select_rw(
+    rw: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...], *, weighted: bool = True
+) -> np.ndarray:
+    """``[n, L, E] -> [n, L', E]``: the named MoE layers, in model order, each multiplied by its weight
+    (``weighted=False``: the layers only; a reference standardises those, then :func:`weigh_rw` applies
+    the weights, so z-scoring cannot undo them)."""
+    resolved = resolve_rw_layers(rw_layers, rw.shape[1])
+    out = rw[:, [i for i, _ in resolved]].astype(np.float32, copy=True)
+    return weigh_rw(out, rw_layers, rw.shape[1]) if weighted else out
+
+
+def resolve_rw_layers(
+    rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...], n_layers: int
+) -> list[tuple[int, float]]:
+    """``(index, weight)`` per named MoE layer, indices made non-negative and sorted (model order)."""
     pairs = [(p, 1.0) if isinstance(p, int) else p for p in rw_layers]
     resolved = []
     for index, weight in pairs:
@@ -424,11 +439,28 @@ def select_rw(rw: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, floa
         raise ValueError(
             f"rw_layers names a layer twice once negative indices are resolved: {list(rw_layers)}"
         )
-    resolved.sort()
-    out = rw[:, [i for i, _ in resolved]].astype(np.float32, copy=True)
-    if any(w != 1.0 for _, w in resolved):
-        out *= np.asarray([w for _, w in resolved], dtype=np.float32)[None, :, None]
-    return out
+    return sorted(resolved)
+
+
+def weigh_rw(
+    selected: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...], n_layers: int
+) -> np.ndarray:
+    """``[n, L', E]`` layers chosen by ``rw_layers`` from ``n_layers`` (model order) times their
+    weights (a copy when any weight is not 1)."""
+    weights = [w for _, w in resolve_rw_layers(rw_layers, n_layers)]
+    if len(weights) != selected.shape[1]:
+        raise ValueError(f"rw_layers names {len(weights)} layers, the features hold {selected.shape[1]}")
+    if all(w == 1.0 for w in weights):
+        return selected
+    return selected * np.asarray(weights, dtype=np.float32)[None, :, None]
+
+
+def rw_layer_indices(rw_layers: Any) -> list[int] | None:
+    """The MoE layers ``rw_layers`` names, without weights: what a reference's statistics depend on
+    (the weights apply after standardisation)."""
+    if rw_layers is None:
+        return None
+    return [p if isinstance(p, int) else p[0] for p in rw_layers]
 
 
 def rw_layer_count(rw_layers: Sequence[Any] | None, n_layers: int) -> int:
