@@ -49,7 +49,9 @@ def test_save_to_model_makes_the_reference_the_models_default(folder):
     plain = emb.encode(TEXTS, reference=None)
     standardised = emb.encode(TEXTS)
     assert not np.allclose(plain, standardised, atol=1e-3)
-    np.testing.assert_array_equal(standardised, emb.encode(TEXTS, reference=str(folder / "reference.safetensors")))
+    np.testing.assert_array_equal(
+        standardised, emb.encode(TEXTS, reference=str(folder / "reference.safetensors"))
+    )
     # centred statistics: the texts they were fitted on are spread around the origin, not in a cone
     for method in ("hs", "rw", "moee_sum"):
         v = emb.encode(TEXTS, method=method)
@@ -67,8 +69,12 @@ def test_the_models_reference_follows_its_feature_configuration(folder):
     assert emb.resolve_config(rw_layers=(0, 2)).reference == ref  # a subset of the layers it was fitted on
     assert emb.resolve_config(pooling="last").reference is None  # other features: unstandardised
     assert emb.resolve_config(prompt="prompteol").reference is None
-    np.testing.assert_array_equal(emb.encode(TEXTS, pooling="last"), emb.encode(TEXTS, pooling="last", reference=None))
-    with pytest.raises(ValueError, match="fitted under another configuration"):  # explicit: refused, not dropped
+    np.testing.assert_array_equal(
+        emb.encode(TEXTS, pooling="last"), emb.encode(TEXTS, pooling="last", reference=None)
+    )
+    with pytest.raises(
+        ValueError, match="fitted under another configuration"
+    ):  # explicit: refused, not dropped
         emb.encode(TEXTS, pooling="last", reference=ref)
 
 
@@ -89,7 +95,8 @@ def test_per_layer_weights_act_after_standardisation(folder):
     np.testing.assert_allclose(weighted[:, :n_experts], same[:, :n_experts], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(weighted[:, n_experts:], 2.0 * same[:, n_experts:], rtol=1e-6, atol=1e-6)
     assert not np.allclose(
-        emb.encode(TEXTS, method="rw", rw_layers={0: 1.0, 2: 2.0}), emb.encode(TEXTS, method="rw", rw_layers=(0, 2))
+        emb.encode(TEXTS, method="rw", rw_layers={0: 1.0, 2: 2.0}),
+        emb.encode(TEXTS, method="rw", rw_layers=(0, 2)),
     )
 
 
