@@ -158,9 +158,10 @@ def recipe_flag(value: str) -> str | None:
     return None if value == "none" else value
 
 
-def path_flag(value: str) -> str:
-    """An absolute path: sidecars record where the file is, usable from any directory."""
-    return str(Path(value).resolve())
+def reference_flag(value: str) -> str | None:
+    """An absolute path (sidecars record where the file is, usable from any directory), or ``none``:
+    no standardisation, also where the model's configuration carries a reference."""
+    return None if value == "none" else str(Path(value).resolve())
 
 
 def normalize_prompt(prompt: Any) -> str | tuple[str, ...] | None:
@@ -295,8 +296,9 @@ class EmbeddingConfig:
     reference: str | None = field(
         default=None,
         metadata={
-            "help": "z-score HS and RW per dimension with a reference written by `moee fit-reference`",
-            "type": path_flag,
+            "help": "z-score HS and RW per dimension with a reference written by `moee fit-reference` "
+            "('none': no standardisation, also where the model's configuration has a reference)",
+            "type": reference_flag,
             "metavar": "FILE",
             "default_text": "none",
             "group": "recipes",
