@@ -648,3 +648,18 @@ def test_a_kill_during_the_evaluation_after_a_checkpoint_is_made_good_on_resume(
     }
     assert again[4]["loss"] == records[4]["loss"] and resumed.last_eval["loss"] == full.last_eval["loss"]
     assert _train_losses(tmp_path / "full" / "log.jsonl") == _train_losses(tmp_path / "split" / "log.jsonl")
+
+
+def test_a_run_from_an_upcycled_model_resumes(corpus, tmp_path):
+    """An upcycled BERT ties its LM head inside the nested model (``model.cls.predictions.decoder``):
+    its checkpoints omit those keys, and resuming must accept them as tied, not as missing."""
+    src = _upcycled_dir(tmp_path, vocab=40)
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    cfg["model"] = {}
+    cfg["init"] = {"from": str(src)}
+    train(cfg, stop_at_step=2, progress=False)
+    resumed = train(cfg, resume=True, progress=False)
+    straight = tiny_cfg(corpus, tmp_path / "straight")
+    straight["model"], straight["init"] = {}, {"from": str(src)}
+    whole = train(straight, progress=False)
+    assert resumed.last_eval["loss"] == pytest.approx(whole.last_eval["loss"], rel=1e-5)

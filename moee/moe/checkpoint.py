@@ -284,8 +284,13 @@ def load_checkpoint(
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:  # shape mismatch: another architecture
         raise ValueError(f"checkpoint file {path / MODEL_FILE} does not match the model: {exc}") from exc
+    # transformers 5 lists every tied key in `all_tied_weights_keys` (nested models included, e.g. an
+    # upcycled BERT's `model.cls.predictions.decoder.*`); `_tied_weights_keys` only the top model's
     tied = (
-        set(getattr(model, "_tied_weights_keys", None) or {}) if model.config.tie_word_embeddings else set()
+        set(getattr(model, "all_tied_weights_keys", None) or {})
+        | set(getattr(model, "_tied_weights_keys", None) or {})
+        if model.config.tie_word_embeddings
+        else set()
     )
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
