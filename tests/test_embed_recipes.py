@@ -61,19 +61,24 @@ def test_echo_pools_only_the_second_copy(emb):
     assert not np.allclose(mean[0], states.mean(0), atol=1e-3)  # the first copy would change the mean
 
 
-def test_echo_without_prompt_repeats_the_text(emb):
-    text = "the dog ran"
-    (tok,) = emb._tokenize_recipe([text], None, "echo")
-    assert tok.ids[tok.pool_from :] == emb.tokenizer(prepare_text(text))["input_ids"]
+def test_echo_without_prompt_repeats_the_text_as_given(emb):
+    """No prompt: both copies are the text exactly as given (no full stop added, quotes kept)."""
+    for text in ("the dog ran", 'the "dog" ran'):
+        (tok,) = emb._tokenize_recipe([text], None, "echo")
+        assert tok.ids[tok.pool_from :] == emb.tokenizer(text)["input_ids"]
+        assert tok.ids == emb.tokenizer(ECHO_PREFIX.replace("{text}", text) + text)["input_ids"]
+    assert prepare_text("the dog ran") != "the dog ran"  # a prepared copy would differ
 
 
 def test_echo_truncation_keeps_the_second_copy_whole():
     short = MoEEmbedder(tiny_model("olmoe", n_layers=2), tiny_tokenizer(), max_length=14)
     text = "the cat sat on the mat under the big green tree"
-    with pytest.warns(UserWarning, match="cut"):
+    with pytest.warns(UserWarning, match="cut") as caught:
         (tok,) = short._tokenize_recipe([text], None, "echo")
     assert len(tok.ids) <= 14
     second = tok.ids[tok.pool_from :]
+    lost = len(text.split()) - len(second)  # the words the text lost (each a token here), once
+    assert f"by {lost}-{lost} tokens ({lost} in all)" in str(caught[0].message)
     words = short.tokenizer.convert_ids_to_tokens(second)
     assert words and words[0] == "the"  # the second copy starts with the text's first word
     prefix = short.tokenizer.convert_ids_to_tokens(tok.ids[: tok.pool_from])
