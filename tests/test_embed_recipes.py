@@ -270,6 +270,51 @@ def test_reference_of_another_model_or_configuration_is_refused(emb, tmp_path):
         Reference.load(path)
 
 
+def test_reference_fitted_under_another_recipe_is_refused(emb, tmp_path):
+    plain = emb.fit_reference(TEXTS, tmp_path / "plain", prompt="prompteol")
+    echo = emb.fit_reference(TEXTS, tmp_path / "echo", prompt="prompteol", recipe="echo")
+    for path, recipe, fitted in ((plain, "echo", "None"), (echo, None, "'echo'")):
+        with pytest.raises(ValueError, match=f"another configuration .*recipe: reference {fitted}"):
+            emb.encode(TEXTS, prompt="prompteol", recipe=recipe, reference=path)
+    emb.encode(TEXTS, prompt="prompteol", recipe="echo", reference=echo)  # its own recipe is fine
+
+
+def test_reference_fitted_at_another_max_length_is_refused(emb, tmp_path):
+    path = emb.fit_reference(TEXTS, tmp_path / "ref")
+    assert json.loads((tmp_path / "ref.json").read_text())["features"]["max_length"] == emb.max_length
+    short = MoEEmbedder(emb.model, emb.tokenizer, max_length=6)
+    with pytest.raises(ValueError, match=f"max_length: reference {emb.max_length} vs now 6"):
+        short.encode(TEXTS, reference=path)
+    with pytest.warns(UserWarning, match="longer than 6 tokens"):
+        short.fit_reference(TEXTS, tmp_path / "short")
+        short.encode(TEXTS, reference=tmp_path / "short.safetensors")
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["in-memory", "from-files"])
+def test_reference_is_refused_once_the_weights_change_in_memory(tmp_path, tiny_model_dir, saved):
+    """The weights digest follows the live parameters: a weight changed after loading (or after the
+    reference was fitted) is not the model the reference belongs to, also when loaded from files."""
+    from moee.capture import find_routers
+
+    if saved:
+        fresh = MoEEmbedder.from_pretrained(tiny_model_dir, device="cpu")
+    else:
+        fresh = MoEEmbedder(tiny_model("olmoe", n_layers=2), tiny_tokenizer())
+    before = fresh.weights_digest
+    path = fresh.fit_reference(TEXTS, tmp_path / "ref")
+    weight = find_routers(fresh.model)[0].module.weight
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert fresh.weights_digest != before
+    with pytest.raises(ValueError, match="not on this model"):
+        fresh.encode(TEXTS, reference=path)
+    if not saved:  # the live digest is the weights' content: the same values give it back
+        with torch.no_grad():
+            weight.div_(2.0)
+        assert fresh.weights_digest == before
+        fresh.encode(TEXTS, reference=path)
+
+
 # ---------------------------------------------------------------------------- every recipe, batch invariant
 def _moee_lm():
     from test_moe_lm import tiny_config as moee_lm_config

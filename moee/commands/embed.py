@@ -145,7 +145,7 @@ def check_config_fits_model(embedder: Any, config: EmbeddingConfig) -> None:
     if config.reference is not None:
         from moee.embed.reference import load_cached
 
-        load_cached(config.reference).check(embedder.weights_digest, config.feature_dict(), config.reference)
+        embedder.check_reference(load_cached(config.reference), config)
 
 
 def _log(msg: str) -> None:
