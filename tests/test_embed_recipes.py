@@ -668,3 +668,19 @@ def test_ensemble_vectors_are_the_renormalised_float64_mean():
     parts = [combine(hs[:, p], rw[:, p], "moee_sum", alpha=0.3, normalize=False) for p in range(2)]
     np.testing.assert_allclose(two, np.mean(parts, axis=0), atol=1e-6)
     assert not np.allclose(two, combine_features(hs, rw, "moee_sum", normalize=False), atol=1e-3)
+
+
+def test_token_prepending_hook_needs_its_batch_and_reads_keyword_states(emb):
+    prepend = TokenPrepending(emb.model)
+    layer = [m for _, m in _decoder_layers(emb.model)][1]
+    hidden = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    with pytest.raises(RuntimeError, match=r"^call TokenPrepending\.set_batch\(\) before the forward pass$"):
+        prepend._hook(layer, (hidden,), {})
+    prepend.set_batch(torch.tensor([0, 1]), torch.tensor([2, 2]))
+    args, kwargs = prepend._hook(layer, (), {"hidden_states": hidden, "other": 1})
+    assert args == () and kwargs["other"] == 1
+    want = hidden.clone()
+    want[0, 0], want[1, 1] = hidden[0, 2], hidden[1, 2]
+    assert torch.equal(kwargs["hidden_states"], want)
+    (new, *rest), _ = prepend._hook(layer, (hidden, "mask"), {})
+    assert torch.equal(new, want) and rest == ["mask"]
