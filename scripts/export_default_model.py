@@ -92,10 +92,16 @@ def _fmt_int(n: float) -> str:
     return f"{int(round(n)):,}"
 
 
+#: Held-out windows whose figures are also recorded on their own (``heldout.first_windows``): few
+#: enough that tests/test_default_model.py recomputes them from the shipped files in seconds.
+FIRST_WINDOWS = 32
+
+
 def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: int | None) -> dict:
     """Held-out LM figures of ``model`` with its own tokenizer: loss per token, perplexity,
     per-layer load, the stream's tokens per character (so nats/character compare across
-    tokenizers) and the add-one unigram of the training tokens."""
+    tokenizers) and the add-one unigram of the training tokens; plus the loss and per-layer load of
+    the first :data:`FIRST_WINDOWS` windows alone (what the bundled model's test recomputes)."""
     from moee.io import iter_jsonl
     from moee.moe.trainer import eval_windows, evaluate, load_tokens, tokenize_to_file, unigram_cross_entropy
 
@@ -115,6 +121,12 @@ def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: 
     ev["windows"] = int(held.shape[0])
     ev["train_tokens"] = int(len(train_tokens))
     ev["max_over_mean_load_worst"] = max(layer["max_over_mean_load"] for layer in ev["layers"])
+    first = evaluate(model, held[:FIRST_WINDOWS], batch_size)
+    ev["first_windows"] = {
+        "windows": int(min(FIRST_WINDOWS, held.shape[0])),
+        "loss": first["loss"],
+        "load": [layer["load"] for layer in first["layers"]],
+    }
     return ev
 
 
@@ -459,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = {
             k: v
             for k, v in heldout_figures(pmodel, ptok, pdata, cfg["eval"]["batch_size"], windows).items()
-            if k != "layers"
+            if k not in ("layers", "first_windows")
         }
 
     out = Path(args.out)

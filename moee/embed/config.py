@@ -547,8 +547,12 @@ def model_reference_for(model_config: EmbeddingConfig, config: EmbeddingConfig) 
         return model_config.reference
     from moee.embed.reference import load_cached
 
-    accepted = load_cached(model_config.reference).accepts(config.feature_dict())
-    return model_config.reference if accepted else None
+    reference = load_cached(model_config.reference)
+    features = config.feature_dict()
+    fitted = reference.meta.get("features", {})
+    if "max_length" in fitted:  # the embedder's cut, not the configuration's: checked where it is used
+        features["max_length"] = fitted["max_length"]
+    return model_config.reference if reference.accepts(features) else None
 
 
 # ---------------------------------------------------------------------------- the model's own file

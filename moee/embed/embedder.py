@@ -69,6 +69,7 @@ from moee.embed.recipes import (
     select_rw,
     weigh_rw,
 )
+from moee.embed.reference import weights_digest, weights_fingerprint
 from moee.embed.validation import check_positive_int, check_texts
 
 if TYPE_CHECKING:
@@ -224,6 +225,9 @@ class MoEEmbedder:
             else load_model_config(self.name_or_path, local_only=True)
         )
         self._digest: str | None = None
+        #: The weights as loaded: a digest of the weight files only stands while this holds.
+        self._loaded_fingerprint = weights_fingerprint(model)
+        self._digest_fingerprint: tuple | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -315,7 +319,7 @@ class MoEEmbedder:
         from moee.io import seal, write_json_atomic
 
         config = self.default_config
-        load_cached(config.reference).check(self.weights_digest, config.feature_dict(), config.reference)
+        self.check_reference(load_cached(config.reference), config)
         sidecar = reference_paths(copied)[1]
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
         saved = weights_digest(SimpleNamespace(name_or_path=str(copied.parent)))
@@ -395,12 +399,24 @@ class MoEEmbedder:
 
     @property
     def weights_digest(self) -> str:
-        """Short hash of the weights (``moee.embed.reference.weights_digest``), computed once."""
-        if self._digest is None:
-            from moee.embed.reference import weights_digest
-
-            self._digest = weights_digest(self)
+        """Short hash of the weights (``moee.embed.reference.weights_digest``), computed once and
+        again only when the weights change in memory (``weights_fingerprint``); weights modified
+        after loading are hashed from the live parameters, not from the files they were read from."""
+        now = weights_fingerprint(self.model)
+        if self._digest is None or now != self._digest_fingerprint:
+            self._digest = weights_digest(self, live=now != self._loaded_fingerprint)
+            self._digest_fingerprint = now
         return self._digest
+
+    def reference_features(self, config: EmbeddingConfig) -> dict[str, Any]:
+        """What a reference records and is checked against besides the weights: the configuration's
+        features and this embedder's ``max_length`` (a different cut gives different statistics)."""
+        return {**config.feature_dict(), "max_length": self.max_length}
+
+    def check_reference(self, reference: Any, config: EmbeddingConfig) -> None:
+        """Refuse ``reference`` (a ``moee.embed.reference.Reference``) unless it was fitted on these
+        weights under ``config``'s features and this ``max_length``."""
+        reference.check(self.weights_digest, self.reference_features(config), config.reference)
 
     # ------------------------------------------------------------------ tokenization and batching
     def _tokenize(self, texts: Sequence[str], template: str | None = None) -> list[list[int]]:
@@ -632,7 +648,7 @@ class MoEEmbedder:
             from moee.embed.reference import load_cached
 
             reference = load_cached(config.reference)
-            reference.check(self.weights_digest, config.feature_dict(), config.reference)
+            self.check_reference(reference, config)
         hs_out, rw_out = [], []
         for template in config.prompt_templates:
             trace = self.trace(
@@ -688,7 +704,7 @@ class MoEEmbedder:
         prompts = hs.shape[1]
         meta = {
             "model": {"name": str(self.name_or_path), "revision": self.weights_digest},
-            "features": config.feature_dict(),
+            "features": self.reference_features(config),
             "n_texts": len(texts),
             "n_prompts": prompts,
             "moee_version": __version__,

@@ -8,7 +8,8 @@ recipe never introduces batch statistics. The entries of :data:`RECIPES` (``docs
 - ``echo`` (Springer et al. 2024, "Repetition improves language model embeddings"): the text is
   given twice, ``Rewrite the sentence: <text>, rewritten sentence: <text>``, and only the second
   copy is pooled (last token or mean), so every pooled token has seen the whole text. With a
-  prompt, the second copy is the prompted text. A long text is cut inside both copies alike
+  prompt, the second copy is the prompted text; without one, both copies are the text exactly as
+  given (no full stop, no quote rewriting). A long text is cut inside both copies alike
   (``moee.embed.prompts.fit_prompts``), so the second copy always survives whole.
 - ``token_prepending`` (Fu et al. 2025, "Token Prepending: A Training-Free Approach for Eliciting
   Better Sentence Embeddings from LLMs"): one placeholder token is put right before the text; in
@@ -123,11 +124,14 @@ def _tokenize_plain(
 
 def _tokenize_echo(emb: Any, texts: Sequence[str], template: str | None) -> tuple[list[Tokenized], list[int]]:
     full = ECHO_PREFIX + (template or PLACEHOLDER)
-    ids, cut, kept = fit_prompts(emb.tokenizer, texts, full, emb.max_length, side=emb.truncation_side)
+    prepare = template is not None  # without a prompt both copies are the text exactly as given
+    ids, cut, kept = fit_prompts(
+        emb.tokenizer, texts, full, emb.max_length, side=emb.truncation_side, prepare=prepare
+    )
     if not ids:
         return [], cut
-    rendered = [render_prompt(t, full) for t in kept]
-    starts = [len(render_prompt(t, ECHO_PREFIX)) for t in kept]
+    rendered = [render_prompt(t, full, prepare=prepare) for t in kept]
+    starts = [len(render_prompt(t, ECHO_PREFIX, prepare=prepare)) for t in kept]
     out = []
     for seq, (again, spans), start in zip(
         ids, _offsets(emb.tokenizer, rendered, "echo"), starts, strict=True

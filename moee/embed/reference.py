@@ -9,7 +9,8 @@ combines them. A text alone gets exactly the vector it gets inside any corpus ru
 A reference is two files: ``NAME.safetensors`` (float64 ``hs_mean``, ``hs_std``, ``rw_mean``,
 ``rw_std``; RW flattened in layer order) and ``NAME.json`` beside it: format and version, the
 model (name, weights hash), the feature configuration it was fitted under (pooling, prompt
-templates, score, recipe, hs_layer, rw_layers), the number of texts, the moee version, the
+templates, score, recipe, hs_layer, rw_layers, and the embedder's ``max_length``, which decides
+where long texts are cut), the number of texts, the moee version, the
 statistics' digest (``sha256``, required) and the sidecar's own content digest
 (``sidecar_sha256``, ``moee.io.seal``). Using a reference with another model or another feature
 configuration is an error that names the difference; so are statistics or a sidecar changed after
@@ -38,6 +39,7 @@ __all__ = [
     "file_digest",
     "reference_paths",
     "weights_digest",
+    "weights_fingerprint",
 ]
 
 REFERENCE_FORMAT = "moee-reference"
@@ -77,16 +79,32 @@ def file_digest(path: str | os.PathLike) -> str:
     return sha.hexdigest()[:12]
 
 
-def weights_digest(embedder: Any) -> str:
+def weights_fingerprint(model: Any) -> tuple:
+    """What changes when a weight is modified in memory, without reading the weights: per
+    ``state_dict`` entry its name, tensor identity, autograd version counter (bumped by every
+    in-place write: ``load_state_dict``, ``w.mul_(0)`` under ``no_grad``), dtype and shape. Moving
+    the model to another device keeps it; a write through ``w.data`` bypasses the version counter
+    and is not seen (write through the tensor itself)."""
+    if not hasattr(model, "state_dict"):
+        return ()
+    return tuple(
+        (name, id(t), t._version, t.dtype, tuple(t.shape))
+        for name, t in model.state_dict(keep_vars=True).items()
+        if hasattr(t, "_version")
+    )
+
+
+def weights_digest(embedder: Any, *, live: bool = False) -> str:
     """A short, stable hash of the weights: the mteb revision, and the model a reference belongs to.
 
     A local model directory is hashed through its weight files (cheap, and identical for
-    every process that loads the same files); an in-memory model through its parameters.
+    every process that loads the same files); an in-memory model, or any model with ``live=True``
+    (weights changed after loading, see :func:`weights_fingerprint`), through its parameters.
     """
     sha = hashlib.sha256()
     path = getattr(embedder, "name_or_path", None)
     files: list[Path] = []
-    if path and Path(str(path)).is_dir():
+    if not live and path and Path(str(path)).is_dir():
         files = [f for f in sorted(Path(str(path)).glob("*.safetensors")) if not _is_reference(f)]
         files = files or sorted(Path(str(path)).glob("*.bin"))
     if files:
@@ -98,11 +116,14 @@ def weights_digest(embedder: Any) -> str:
         return sha.hexdigest()[:12]
     model = getattr(embedder, "model", None)
     commit = getattr(getattr(model, "config", None), "_commit_hash", None)
-    if commit:
+    if commit and not live:
         return str(commit)[:12]
     if model is not None and hasattr(model, "state_dict"):
         for name, tensor in sorted(model.state_dict().items()):
             sha.update(name.encode())
+            if tensor.device.type == "meta":  # offloaded: only its place in the model is known here
+                sha.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
+                continue
             sha.update(tensor.detach().float().cpu().numpy().tobytes())
         return sha.hexdigest()[:12]
     return "unknown"
