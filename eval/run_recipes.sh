@@ -81,7 +81,7 @@ run rw_layers --rw-layers="$RW_LAYERS" --prompts prompteol
 REF_CORPUS="${REF_CORPUS:-build/corpus/heldout.jsonl}"
 if [ -f "$REF_CORPUS" ]; then
   REF="$OUT/reference-prompteol"
-  "$PY" -m moee.cli fit-reference "$REF_CORPUS" --out "$REF" --prompt prompteol --pooling last --max-texts "${REF_TEXTS:-400}" \
+  "$PY" -m moee.cli fit-reference "$REF_CORPUS" --out "$REF" --prompt prompteol --pooling last --max-texts "${REF_TEXTS:-400}" --overwrite \
     "${MODEL_ARGS[@]}"
   run reference --reference "$REF.safetensors" --prompts prompteol
 else
