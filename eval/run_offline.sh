@@ -8,7 +8,9 @@
 # the baseline adds 1.5 min; much longer while other jobs load the machine).
 # Finished (configuration, task) pairs are cached under the output folder, so an interrupted run
 # resumes where it stopped. Every configuration flag is explicit: a flag left out would take the
-# model's saved configuration (moee/assets/default-model/moee_embedding.json).
+# model's saved configuration (moee/assets/default-model/moee_embedding.json). Its reference statistics
+# apply where a cell has the features they were fitted under (mean pooling, no prompt): those cells are
+# the model's own configuration.
 #
 #   eval/run_offline.sh [OUT_DIR [MEAN_OUT_DIR]]  (default: eval/results/offline, eval/results/offline_mean)
 set -euo pipefail

@@ -45,8 +45,9 @@ run() {  # run NAME [moee evaluate flags...]: one variant, all four methods, its
   local start=$SECONDS
   # --pooling last unless the variant says otherwise: the table compares against the paper's pooling,
   # whatever the model's saved configuration is (a later flag of the variant overrides it)
+  # --reference none likewise: a model's own reference applies only where a variant names it
   "$PY" -m moee.cli evaluate "${MODEL_ARGS[@]}" --tasks "$TASKS" --methods hs,rw,moee_concat,moee_sum \
-    --alpha auto --pooling last --out "$OUT" "$@"
+    --alpha auto --pooling last --reference none --out "$OUT" "$@"
   "$PY" - "$OUT" "$name" "$((SECONDS - start))" <<'PYEOF'
 import json, sys
 from pathlib import Path
@@ -59,6 +60,17 @@ PYEOF
 run plain --prompts none,prompteol --baseline
 run mean --pooling mean --prompts none,prompteol  # what echo's mean pooling is compared with
 run paper --paper
+# the model's own configuration with its reference statistics (moee_embedding.json), when it has them
+MODEL_REF=$("$PY" - "${MODEL:-}" <<'PYEOF'
+import sys
+from moee.cli_options import model_config_of
+config = model_config_of(sys.argv[1] or None)
+print(config.reference if config is not None and config.reference else "")
+PYEOF
+)
+if [ -n "$MODEL_REF" ]; then
+  run model_reference --pooling mean --prompts none --reference "$MODEL_REF"
+fi
 run echo --recipe echo --prompts none,prompteol
 run echo_mean --recipe echo --pooling mean --prompts none,prompteol
 run token_prepending --recipe token_prepending --prompts none,prompteol
@@ -69,7 +81,7 @@ run rw_layers --rw-layers="$RW_LAYERS" --prompts prompteol
 REF_CORPUS="${REF_CORPUS:-build/corpus/heldout.jsonl}"
 if [ -f "$REF_CORPUS" ]; then
   REF="$OUT/reference-prompteol"
-  "$PY" -m moee.cli fit-reference "$REF_CORPUS" --out "$REF" --prompt prompteol --pooling last --max-texts "${REF_TEXTS:-400}" \
+  "$PY" -m moee.cli fit-reference "$REF_CORPUS" --out "$REF" --prompt prompteol --pooling last --max-texts "${REF_TEXTS:-400}" --overwrite \
     "${MODEL_ARGS[@]}"
   run reference --reference "$REF.safetensors" --prompts prompteol
 else

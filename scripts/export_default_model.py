@@ -92,10 +92,16 @@ def _fmt_int(n: float) -> str:
     return f"{int(round(n)):,}"
 
 
+#: Held-out windows whose figures are also recorded on their own (``heldout.first_windows``): few
+#: enough that tests/test_default_model.py recomputes them from the shipped files in seconds.
+FIRST_WINDOWS = 32
+
+
 def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: int | None) -> dict:
     """Held-out LM figures of ``model`` with its own tokenizer: loss per token, perplexity,
     per-layer load, the stream's tokens per character (so nats/character compare across
-    tokenizers) and the add-one unigram of the training tokens."""
+    tokenizers) and the add-one unigram of the training tokens; plus the loss and per-layer load of
+    the first :data:`FIRST_WINDOWS` windows alone (what the bundled model's test recomputes)."""
     from moee.io import iter_jsonl
     from moee.moe.trainer import eval_windows, evaluate, load_tokens, tokenize_to_file, unigram_cross_entropy
 
@@ -115,7 +121,46 @@ def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: 
     ev["windows"] = int(held.shape[0])
     ev["train_tokens"] = int(len(train_tokens))
     ev["max_over_mean_load_worst"] = max(layer["max_over_mean_load"] for layer in ev["layers"])
+    first = evaluate(model, held[:FIRST_WINDOWS], batch_size)
+    ev["first_windows"] = {
+        "windows": int(min(FIRST_WINDOWS, held.shape[0])),
+        "loss": first["loss"],
+        "load": [layer["load"] for layer in first["layers"]],
+    }
     return ev
+
+
+#: What the card says of a training stage; kept from an earlier stage's metrics.json.
+STAGE_KEYS = (
+    "checkpoint",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "train_tokens_seen",
+    "epochs_seen",
+    "tokens_per_s",
+    "train_minutes",
+    "threads",
+    "optim",
+    "schedule",
+    "seed",
+    "bias_calibration",
+    "command",
+)
+
+
+def earlier_stages(cfg: dict) -> list[dict]:
+    """The stages before this run: a run continued (``init.from``) from an exported model brings that
+    export's metrics.json, whose own ``earlier_stages`` come first (oldest first)."""
+    start = (cfg.get("init") or {}).get("from")
+    metrics = Path(start) / "metrics.json" if start else None
+    if metrics is None or not metrics.is_file():
+        return []
+    prior = json.loads(metrics.read_text())
+    stage = {k: prior.get(k) for k in STAGE_KEYS}
+    stage["exported_to"] = str(start)
+    stage["heldout_loss"] = prior.get("heldout", {}).get("loss")
+    return [*prior.get("earlier_stages", []), stage]
 
 
 def active_parameters(model) -> tuple[int, int]:
@@ -128,6 +173,72 @@ def active_parameters(model) -> tuple[int, int]:
         per_expert = sum(p[0].numel() for p in ffn.experts.parameters())
         inactive += (ffn.router.num_experts - ffn.router.top_k) * per_expert
     return total, total - inactive
+
+
+def _windows_note(prev: dict, m: dict) -> str:
+    """Where the previous model's figures were measured on other windows than this model's."""
+    seq = prev.get("seq_len", m["seq_len"])
+    return "" if seq == m["seq_len"] else f"; measured on {seq}-token windows"
+
+
+def _stage_line(number: int, stage: dict) -> str:
+    """One training stage of the card: its steps, windows, tokens and wall clock."""
+    minutes = stage.get("train_minutes")
+    return (
+        f"- Stage {number}, continued pretraining: {stage['steps']} steps x {stage['batch_size']} windows x "
+        f"{stage['seq_len']} tokens = {_fmt_int(stage['train_tokens_seen'])} tokens at "
+        f"{stage['tokens_per_s']:.0f} tokens/s (torch threads = {stage.get('threads')}"
+        + (f", {minutes:.1f} minutes" if isinstance(minutes, (int, float)) and minutes == minutes else "")
+        + ")."
+    )
+
+
+#: The routes comparison the card quotes (scripts/compare_default_model_routes.py writes it).
+ROUTES_JSON = ROOT / "eval" / "results" / "default_model_routes" / "routes.json"
+
+
+def _routes_paragraph() -> list[str]:
+    """What the routes comparison found, with its figures read from ROUTES_JSON (none quoted when it
+    is missing: the card never states a figure the committed results do not hold)."""
+    text = [
+        "Three routes were measured on the offline suite (every method), side by side in",
+        "`eval/results/default_model_routes/routes.md` (`python scripts/compare_default_model_routes.py`): the",
+        "previous bundled model (trained from scratch on this corpus), the upcycled all-MiniLM-L6-v2 before any",
+        "training, and this model after continued pretraining.",
+    ]
+    if not ROUTES_JSON.is_file():
+        return text
+    routes = json.loads(ROUTES_JSON.read_text())["routes"]
+
+    def row(route_has: str, method: str) -> dict | None:
+        for route in routes:
+            if route_has in route["route"]:
+                return next(
+                    (
+                        r
+                        for r in route["rows"]
+                        if r["settings"].get("method") == method and r["settings"].get("prompt") == "none"
+                    ),
+                    None,
+                )
+        return None
+
+    def fig(r: dict | None) -> str:
+        return (
+            "n/a" if r is None or r["Avg"] is None else f"average {r['Avg']:.1f}, lee_sts {r['lee_sts']:.1f}"
+        )
+
+    start, last = row("before training", "hs"), row("(bundled), last token", "hs")
+    mean_hs, mean_rw = row("(bundled), mean pooling", "hs"), row("(bundled), mean pooling", "rw")
+    text += [
+        f"Upcycling gives semantic signal before any training (last-token HS: {fig(start)}); continued",
+        "pretraining makes it a language model and moves the last token's state towards predicting the next",
+        f"token (last-token HS: {fig(last)}), while mean pooling keeps the signal (HS: {fig(mean_hs)}; RW:",
+        f"{fig(mean_rw)}), which is why mean pooling is this model's default configuration. The full suite",
+        "beside all-MiniLM-L6-v2 is in `eval/results/offline_mean/tables.md` and `eval/results/offline/tables.md`;",
+        "the recipes in `eval/results/recipes/recipes.md`.",
+    ]
+    return text
 
 
 def build_card(m: dict) -> str:
@@ -174,16 +285,15 @@ def build_card(m: dict) -> str:
         "## Training",
         "",
         "- Start: `moee upcycle` of all-MiniLM-L6-v2 (command in `scripts/train_default_model.sh`).",
-        f"- Continued pretraining: {m['steps']} steps x {m['batch_size']} windows x {m['seq_len']} tokens = "
-        f"{_fmt_int(m['train_tokens_seen'])} tokens ({m['epochs_seen']:.3f} epochs of the {_fmt_int(ev['train_tokens'])}-token training stream).",
+        *(_stage_line(i + 1, stage) for i, stage in enumerate(m.get("earlier_stages", []))),
+        _stage_line(len(m.get("earlier_stages", [])) + 1, m),
         f"- AdamW (lr {m['optim']['lr']}, betas {m['optim']['betas']}, weight decay {m['optim']['weight_decay']}), "
         f"{m['schedule']['warmup_steps']} warmup steps then cosine to {m['schedule']['min_lr_ratio']} x lr, "
-        f"gradient clipping {m['optim']['grad_clip']}, seed {m['seed']}.",
-        f"- Throughput: **{m['tokens_per_s']:.0f} tokens/s** (training, mean over the run) on {m['machine']}, "
-        f"torch threads = {m['threads']}; wall clock {m['train_minutes']:.1f} minutes.",
+        f"gradient clipping {m['optim']['grad_clip']}, seed {m['seed']} (the last stage; the curve below is its run).",
         *(
             [
-                f"- Router biases settled after training on {m['bias_calibration']['steps']} batches of training windows "
+                f"- Router biases settled after training on {m['bias_calibration']['steps']} batches of "
+                f"{m['bias_calibration'].get('seq_len', m['seq_len'])}-token training windows "
                 f"(weights frozen, bias step decaying from {m['bias_calibration']['gamma']} to 0)."
             ]
             if m.get("bias_calibration")
@@ -205,7 +315,7 @@ def build_card(m: dict) -> str:
     ]
     if prev:
         lines.append(
-            f"| previous bundled model (from scratch) | {prev['loss']:.4f} | {prev['ppl']:.2f} | {prev['nats_per_char']:.4f} |"
+            f"| previous bundled model (from scratch{_windows_note(prev, m)}) | {prev['loss']:.4f} | {prev['ppl']:.2f} | {prev['nats_per_char']:.4f} |"
         )
         lines.append(
             f"| its unigram | {prev['unigram_loss']:.4f} | {prev['unigram_ppl']:.2f} | {prev['unigram_nats_per_char']:.4f} |"
@@ -224,12 +334,14 @@ def build_card(m: dict) -> str:
         )
     lines += [
         "",
-        f"Worst layer max/mean load: **{ev['max_over_mean_load_worst']:.3f}** (target <= 1.5), on windows of the",
-        f"{m['seq_len']} tokens the model was trained and its biases calibrated on. Positions beyond them were never",
-        "trained and route less evenly: over whole held-out documents read to the 256-token context, `moee report`",
-        "finds up to 1.72 (`analysis/README.md`, section 3); calibrating on 256-token windows instead",
-        "(`--calibrate-seq-len 256`) raises the 128-token figure to 1.85, so the remedy is training at the full",
-        "context.",
+        f"Worst layer max/mean load: **{ev['max_over_mean_load_worst']:.3f}** (target <= 1.5), on windows of",
+        f"{m['seq_len']} tokens, the context the tokenizer declares ({m['context']}) "
+        + (
+            "and the model was trained at."
+            if m["seq_len"] >= m["context"]
+            else "(positions beyond were never trained)."
+        ),
+        "`moee report` measures the same over whole held-out documents (`analysis/specialization/report.json`).",
         "",
         "## Data",
         "",
@@ -248,19 +360,7 @@ def build_card(m: dict) -> str:
         "",
         "## Routes tried, and what the embeddings carry",
         "",
-        "Three routes were measured on the offline suite (every method; the untrained start without a prompt), side by",
-        "side in `eval/results/default_model_routes/routes.md` (`python scripts/compare_default_model_routes.py`):",
-        "the previous bundled model (trained from scratch for an hour on this corpus), the upcycled",
-        "all-MiniLM-L6-v2 before any training, and this model after continued pretraining. The from-scratch",
-        "route had no semantic signal (lee_sts below 0 for every method, family average 33.6 at best);",
-        "upcycling the one pretrained transformer available offline gives it at the cost of a few CPU-minutes",
-        "(last-token HS: average 52.3, lee_sts 47.4, before any training). The continued pretraining makes it",
-        "a language model (perplexity above) with balanced routers, and costs last-token signal (HS average",
-        "40.7, lee_sts 13.4: the last state learns to predict the next token) while mean pooling keeps it",
-        "(average 53.9, lee_sts 45.6; RW alone 49.1 / 38.4, where last-token RW gives 35.5 / 1.8), which is why mean",
-        "pooling is this model's default recipe. The full suite on",
-        "this model, beside all-MiniLM-L6-v2, is in `eval/results/offline/tables.md`; the recipes in",
-        "`eval/results/recipes/recipes.md`.",
+        *_routes_paragraph(),
         "",
         "## Reproduce",
         "",
@@ -371,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = {
             k: v
             for k, v in heldout_figures(pmodel, ptok, pdata, cfg["eval"]["batch_size"], windows).items()
-            if k != "layers"
+            if k not in ("layers", "first_windows")
         }
 
     out = Path(args.out)
@@ -443,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "exported_at": _utc(),
     }
+    metrics["earlier_stages"] = earlier_stages(cfg)
+    if previous is None:  # the previous bundled model, as an earlier stage's export measured it
+        prior = Path(cfg.get("init", {}).get("from") or "") / "metrics.json"
+        if prior.is_file() and json.loads(prior.read_text()).get("previous"):
+            earlier = json.loads(prior.read_text())
+            metrics["previous"] = {**earlier["previous"], "seq_len": earlier["seq_len"]}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "README.md").write_text(build_card(metrics))
     if not args.no_bench_note:

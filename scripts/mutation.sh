@@ -22,7 +22,8 @@ tests_for() {
     moee/moe/layer.py) echo "tests/test_moe_layer.py" ;;
     moee/embed/methods.py) echo "tests/test_embed_methods.py" ;;
     moee/capture/recorder.py) echo "tests/test_capture_recorder.py" ;;
-    moee/embed/recipes.py | moee/embed/reference.py) echo "tests/test_embed_recipes.py" ;;
+    moee/embed/recipes.py) echo "tests/test_embed_recipes.py" ;;
+    moee/embed/reference.py) echo "tests/test_embed_recipes.py tests/test_reliability_sidecars.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
     moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;
     *) return 1 ;;

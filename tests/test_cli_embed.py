@@ -349,3 +349,46 @@ def test_search_embeds_queries_with_every_recorded_field(tmp_path, corpus, tiny_
     assert main(argv) == 0
     hit = json.loads(capsys.readouterr().out)["results"][0]
     assert hit["id"] == 1 and hit["score"] == pytest.approx(1.0, abs=1e-5)
+
+
+class _Terminal:
+    """A stand-in stderr that says it is a terminal (tqdm shows its bar only there by default)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@pytest.mark.parametrize(
+    "tty, flag, shown", [(True, None, True), (True, "--no-progress", False), (False, None, False)]
+)
+def test_embed_shows_texts_done_of_total_on_a_terminal(
+    tmp_path, corpus, tiny_model_dir, monkeypatch, capsys, tty, flag, shown
+):
+    """A long run shows a tqdm bar (texts done / total) on stderr; --no-progress or a stderr that is
+    not a terminal (a log file, a pipe) turns it off."""
+    import io
+    import sys
+
+    err = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    argv = ["embed", str(corpus), "--model", tiny_model_dir, "--out", str(tmp_path / "e.npy")]
+    argv += ["--device", "cpu", "--chunk-size", "4", "--batch-size", "2", *([flag] if flag else [])]
+    assert main(argv) == 0
+    written = err.text if tty else err.getvalue()
+    assert (f"{len(TEXTS)}/{len(TEXTS)}" in written) is shown
+    assert ("embedding" in written) is shown
+    assert "moee embed: wrote" in written  # the log line is there either way

@@ -119,8 +119,11 @@ def test_a_hub_repository_is_read_through_the_cache_offline(tmp_path, monkeypatc
 
 
 def test_the_bundled_model_carries_its_configuration():
-    # the recipe table's best recipe for every method (eval/results/recipes/recipes.md)
-    assert load_model_config(DEFAULT_MODEL_DIR) == EmbeddingConfig(pooling="mean")
+    # the recipe table's best recipe for every method (eval/results/recipes/recipes.md): mean pooling,
+    # standardised with the model's own reference statistics (fitted on its training corpus)
+    assert load_model_config(DEFAULT_MODEL_DIR) == EmbeddingConfig(
+        pooling="mean", reference=str(DEFAULT_MODEL_DIR / "reference.safetensors")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,8 @@ def test_a_copy_of_the_bundled_folder_behaves_exactly_like_the_original(bundled,
     copy = tmp_path / "somewhere" / "my-model"
     shutil.copytree(DEFAULT_MODEL_DIR, copy)
     other = MoEEmbedder.from_pretrained(copy, device="cpu")
-    assert other.model_config == bundled.model_config == EmbeddingConfig(pooling="mean")
+    assert other.model_config == EmbeddingConfig(pooling="mean", reference=str(copy / "reference.safetensors"))
+    assert bundled.model_config.replace(reference=None) == EmbeddingConfig(pooling="mean")
     np.testing.assert_array_equal(other.encode(TEXTS), bundled.encode(TEXTS))
     np.testing.assert_array_equal(other.encode(TEXTS, method="rw"), bundled.encode(TEXTS, method="rw"))
     # the model object alone (transformers keeps where it came from) finds the same configuration

@@ -61,19 +61,24 @@ def test_echo_pools_only_the_second_copy(emb):
     assert not np.allclose(mean[0], states.mean(0), atol=1e-3)  # the first copy would change the mean
 
 
-def test_echo_without_prompt_repeats_the_text(emb):
-    text = "the dog ran"
-    (tok,) = emb._tokenize_recipe([text], None, "echo")
-    assert tok.ids[tok.pool_from :] == emb.tokenizer(prepare_text(text))["input_ids"]
+def test_echo_without_prompt_repeats_the_text_as_given(emb):
+    """No prompt: both copies are the text exactly as given (no full stop added, quotes kept)."""
+    for text in ("the dog ran", 'the "dog" ran'):
+        (tok,) = emb._tokenize_recipe([text], None, "echo")
+        assert tok.ids[tok.pool_from :] == emb.tokenizer(text)["input_ids"]
+        assert tok.ids == emb.tokenizer(ECHO_PREFIX.replace("{text}", text) + text)["input_ids"]
+    assert prepare_text("the dog ran") != "the dog ran"  # a prepared copy would differ
 
 
 def test_echo_truncation_keeps_the_second_copy_whole():
     short = MoEEmbedder(tiny_model("olmoe", n_layers=2), tiny_tokenizer(), max_length=14)
     text = "the cat sat on the mat under the big green tree"
-    with pytest.warns(UserWarning, match="cut"):
+    with pytest.warns(UserWarning, match="cut") as caught:
         (tok,) = short._tokenize_recipe([text], None, "echo")
     assert len(tok.ids) <= 14
     second = tok.ids[tok.pool_from :]
+    lost = len(text.split()) - len(second)  # the words the text lost (each a token here), once
+    assert f"by {lost}-{lost} tokens ({lost} in all)" in str(caught[0].message)
     words = short.tokenizer.convert_ids_to_tokens(second)
     assert words and words[0] == "the"  # the second copy starts with the text's first word
     prefix = short.tokenizer.convert_ids_to_tokens(tok.ids[: tok.pool_from])
@@ -265,6 +270,51 @@ def test_reference_of_another_model_or_configuration_is_refused(emb, tmp_path):
         Reference.load(path)
 
 
+def test_reference_fitted_under_another_recipe_is_refused(emb, tmp_path):
+    plain = emb.fit_reference(TEXTS, tmp_path / "plain", prompt="prompteol")
+    echo = emb.fit_reference(TEXTS, tmp_path / "echo", prompt="prompteol", recipe="echo")
+    for path, recipe, fitted in ((plain, "echo", "None"), (echo, None, "'echo'")):
+        with pytest.raises(ValueError, match=f"another configuration .*recipe: reference {fitted}"):
+            emb.encode(TEXTS, prompt="prompteol", recipe=recipe, reference=path)
+    emb.encode(TEXTS, prompt="prompteol", recipe="echo", reference=echo)  # its own recipe is fine
+
+
+def test_reference_fitted_at_another_max_length_is_refused(emb, tmp_path):
+    path = emb.fit_reference(TEXTS, tmp_path / "ref")
+    assert json.loads((tmp_path / "ref.json").read_text())["features"]["max_length"] == emb.max_length
+    short = MoEEmbedder(emb.model, emb.tokenizer, max_length=6)
+    with pytest.raises(ValueError, match=f"max_length: reference {emb.max_length} vs now 6"):
+        short.encode(TEXTS, reference=path)
+    with pytest.warns(UserWarning, match="longer than 6 tokens"):
+        short.fit_reference(TEXTS, tmp_path / "short")
+        short.encode(TEXTS, reference=tmp_path / "short.safetensors")
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["in-memory", "from-files"])
+def test_reference_is_refused_once_the_weights_change_in_memory(tmp_path, tiny_model_dir, saved):
+    """The weights digest follows the live parameters: a weight changed after loading (or after the
+    reference was fitted) is not the model the reference belongs to, also when loaded from files."""
+    from moee.capture import find_routers
+
+    if saved:
+        fresh = MoEEmbedder.from_pretrained(tiny_model_dir, device="cpu")
+    else:
+        fresh = MoEEmbedder(tiny_model("olmoe", n_layers=2), tiny_tokenizer())
+    before = fresh.weights_digest
+    path = fresh.fit_reference(TEXTS, tmp_path / "ref")
+    weight = find_routers(fresh.model)[0].module.weight
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert fresh.weights_digest != before
+    with pytest.raises(ValueError, match="not on this model"):
+        fresh.encode(TEXTS, reference=path)
+    if not saved:  # the live digest is the weights' content: the same values give it back
+        with torch.no_grad():
+            weight.div_(2.0)
+        assert fresh.weights_digest == before
+        fresh.encode(TEXTS, reference=path)
+
+
 # ---------------------------------------------------------------------------- every recipe, batch invariant
 def _moee_lm():
     from test_moe_lm import tiny_config as moee_lm_config
@@ -449,7 +499,8 @@ def test_cli_fit_reference_then_embed_with_recipes(tmp_path, tiny_model_dir):
         "-1",
     ]
     assert main(args) == 2  # fitted without --hs-layer: refused, naming the difference
-    assert main(args[:-2] + ["--method", "rw", "--rw-layers", "0:1,1:0.5"]) == 2
+    # a subset of the MoE layers it was fitted on (all): their statistics, then the weights
+    assert main(args[:-2] + ["--method", "rw", "--rw-layers", "0:1,1:0.5"]) == 0
     assert main(args[:-2]) == 0
     meta = read_metadata(out)
     assert meta["recipe"] == "echo" and meta["prompt"] == ["prompteol", "meaning"]
@@ -479,3 +530,158 @@ def test_token_prepending_and_echo_on_every_supported_architecture(model_type):
         alone = [emb.features([t], config) for t in TEXTS]
         np.testing.assert_allclose(hs, np.concatenate([a[0] for a in alone]), atol=ATOL, err_msg=str(config))
         np.testing.assert_allclose(rw, np.concatenate([a[1] for a in alone]), atol=ATOL, err_msg=str(config))
+
+
+# ---------------------------------------------------------------------------- the small pieces, exactly
+class _Tokenizer:
+    """The tiny tokenizer behind a proxy: ``fast=False`` hides its offsets; ``drift=True`` gives other
+    ids when offsets are asked for (a tokenizer that is not deterministic)."""
+
+    def __init__(self, inner, *, fast: bool = True, drift: bool = False) -> None:
+        self.inner, self.is_fast, self.drift = inner, fast, drift
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if self.drift and kwargs.get("return_offsets_mapping") and "special_tokens_mask" in out:
+            out["input_ids"] = [[*ids[:-1], 1] for ids in out["input_ids"]]
+        return out
+
+
+def _with_tokenizer(emb: MoEEmbedder, tokenizer, max_length: int | None = None) -> MoEEmbedder:
+    return MoEEmbedder(emb.model, tokenizer, max_length=max_length or emb.max_length)
+
+
+def test_placeholder_is_bos_then_eos_then_pad():
+    from types import SimpleNamespace
+
+    assert placeholder_id(SimpleNamespace(bos_token_id=7, eos_token_id=8, pad_token_id=9)) == 7
+    assert placeholder_id(SimpleNamespace(bos_token_id=None, eos_token_id=8, pad_token_id=9)) == 8
+    assert placeholder_id(SimpleNamespace(eos_token_id=None, pad_token_id=9)) == 9  # no bos attribute
+    with pytest.raises(ValueError, match=r"^token_prepending needs a BOS, EOS or pad token to use as"):
+        placeholder_id(SimpleNamespace())
+
+
+def test_token_prepending_fits_max_length_and_places_the_placeholder(emb):
+    with pytest.raises(ValueError, match=r"^token_prepending needs max_length >= 2 \(one position"):
+        _with_tokenizer(emb, emb.tokenizer, 1)._tokenize_recipe(["a dog"], None, "token_prepending")
+    (two,) = _with_tokenizer(emb, emb.tokenizer, 2)._tokenize_recipe(["a"], None, "token_prepending")
+    assert two.ids == [placeholder_id(emb.tokenizer), *emb.tokenizer("a")["input_ids"]]
+    long = "a dog ran under the big green tree"
+    with pytest.warns(UserWarning, match="cut on the right"):
+        (cut,) = _with_tokenizer(emb, emb.tokenizer, 5)._tokenize_recipe([long], None, "token_prepending")
+    assert len(cut.ids) == 5 and cut.placeholder == 0  # the text cut to 4 tokens, then the placeholder
+    assert cut.ids[1:] == emb.tokenizer("a dog ran under")["input_ids"]
+    left = _with_tokenizer(emb, emb.tokenizer, 5)
+    emb.tokenizer.truncation_side = "left"
+    try:
+        with pytest.warns(UserWarning, match="cut on the left"):
+            (end,) = left._tokenize_recipe([long], None, "token_prepending")
+    finally:
+        emb.tokenizer.truncation_side = "right"
+    assert end.ids[1:] == emb.tokenizer("the big green tree")["input_ids"]
+    (twice,) = emb._tokenize_recipe(["dog"], "a {text} and {text}", "token_prepending")
+    assert twice.placeholder == 1  # before the first copy of the text
+    (empty,) = emb._tokenize_recipe([""], None, "token_prepending")
+    assert empty.ids == [*emb.empty_ids, placeholder_id(emb.tokenizer)]
+    assert empty.placeholder == len(emb.empty_ids)
+
+
+def test_plain_tokenization_renders_the_prompt_and_cuts_on_the_tokenizer_side(emb):
+    text = "the cat sat on the mat"
+    (tok,) = emb._tokenize_recipe([text], "a {text} big", None)
+    assert tok.ids == emb.tokenizer(render_prompt(text, "a {text} big"))["input_ids"]
+    short = _with_tokenizer(emb, emb.tokenizer, 3)
+    emb.tokenizer.truncation_side = "left"
+    try:
+        with pytest.warns(UserWarning, match="cut on the left"):
+            (end,) = short._tokenize_recipe([text], None, None)
+    finally:
+        emb.tokenizer.truncation_side = "right"
+    assert end.ids == emb.tokenizer("on the mat")["input_ids"]
+
+
+@pytest.mark.parametrize("recipe", ["echo", "token_prepending"])
+def test_recipes_refuse_slow_and_drifting_tokenizers_by_name(emb, recipe):
+    slow = _with_tokenizer(emb, _Tokenizer(emb.tokenizer, fast=False))
+    with pytest.raises(ValueError, match=rf"^recipe '{recipe}' needs a fast tokenizer \(character offsets\)"):
+        slow._tokenize_recipe(["a dog"], None, recipe)
+    drifting = _with_tokenizer(emb, _Tokenizer(emb.tokenizer, drift=True))
+    what = "echo text" if recipe == "echo" else "text"
+    with pytest.raises(RuntimeError, match=rf"^the tokenizer gave different ids for the same {what}$"):
+        drifting._tokenize_recipe(["a dog"], None, recipe)
+
+
+def test_layer_choice_bounds_and_types():
+    from moee.embed.recipes import rw_layer_count, select_hs
+
+    with pytest.raises(TypeError, match=r"^hs_layer must be an int, got True$"):
+        parse_hs_layer(True)
+    hs = np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2)
+    np.testing.assert_array_equal(select_hs(hs, -3), hs[:, 0])
+    np.testing.assert_array_equal(select_hs(hs, (-3, 3)), hs.mean(axis=1))
+    np.testing.assert_array_equal(select_hs(hs, (-3, 1)), hs[:, 0])
+    for bad in ((0, 4), (-4, 2)):
+        with pytest.raises(
+            ValueError, match=rf"^hs_layer range {bad[0]}:{bad[1]} is out of range for 3 decoder"
+        ):
+            select_hs(hs, bad)
+    wide = np.array([[[16777216.0], [1.0], [1.0]]], dtype=np.float32)  # float32 sums would lose the 1s
+    out = select_hs(wide, (0, 3))
+    assert out.dtype == np.float32 and out[0, 0] == np.float32(16777218 / 3)
+    assert select_hs(hs.astype(np.float64), 0).dtype == np.float32
+    rw = np.arange(2 * 3 * 2, dtype=np.float64).reshape(2, 3, 2)
+    np.testing.assert_array_equal(select_rw(rw, (-3,)), rw[:, [0]])
+    assert select_rw(rw, (0,)).dtype == np.float32
+    np.testing.assert_array_equal(select_rw(rw, ((0, 2.0),)), 2 * rw[:, [0]])
+    with pytest.raises(ValueError, match=r"twice once negative indices are resolved: \[0, -3\]$"):
+        select_rw(rw, (0, -3))
+    assert rw_layer_count(None, 5) == 5 and rw_layer_count((0, 2), 5) == 2
+
+
+def test_ensemble_vectors_are_the_renormalised_float64_mean():
+    from moee.embed.methods import combine
+    from moee.embed.recipes import combine_ensemble, combine_features
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(3, 4)).astype(np.float32)
+    b[1] = -a[1]  # this row's mean is zero: it stays zero, no NaN
+    mean = (a.astype(np.float64) + b) / 2
+    norms = np.linalg.norm(mean, axis=1, keepdims=True)
+    want = np.divide(mean, norms, out=np.zeros_like(mean), where=norms > 0)
+    got = combine_ensemble([a, b], True)
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, atol=1e-7)
+    assert (got[1] == 0).all()
+    wide = [
+        np.array([[16777216.0]], np.float32),
+        np.array([[1.0]], np.float32),
+        np.array([[1.0]], np.float32),
+    ]
+    assert combine_ensemble(wide, False)[0, 0] == np.float32(16777218 / 3)
+    hs, rw = rng.normal(size=(3, 2, 4)), rng.random(size=(3, 2, 2, 3))
+    for p in range(2):
+        one = combine_features(hs[:, p : p + 1], rw[:, p : p + 1], "moee_sum")
+        np.testing.assert_allclose(one, combine(hs[:, p], rw[:, p], "moee_sum", alpha=1.0, normalize=True))
+    two = combine_features(hs, rw, "moee_sum", alpha=0.3, normalize=False)
+    parts = [combine(hs[:, p], rw[:, p], "moee_sum", alpha=0.3, normalize=False) for p in range(2)]
+    np.testing.assert_allclose(two, np.mean(parts, axis=0), atol=1e-6)
+    assert not np.allclose(two, combine_features(hs, rw, "moee_sum", normalize=False), atol=1e-3)
+
+
+def test_token_prepending_hook_needs_its_batch_and_reads_keyword_states(emb):
+    prepend = TokenPrepending(emb.model)
+    layer = [m for _, m in _decoder_layers(emb.model)][1]
+    hidden = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    with pytest.raises(RuntimeError, match=r"^call TokenPrepending\.set_batch\(\) before the forward pass$"):
+        prepend._hook(layer, (hidden,), {})
+    prepend.set_batch(torch.tensor([0, 1]), torch.tensor([2, 2]))
+    args, kwargs = prepend._hook(layer, (), {"hidden_states": hidden, "other": 1})
+    assert args == () and kwargs["other"] == 1
+    want = hidden.clone()
+    want[0, 0], want[1, 1] = hidden[0, 2], hidden[1, 2]
+    assert torch.equal(kwargs["hidden_states"], want)
+    (new, *rest), _ = prepend._hook(layer, (hidden, "mask"), {})
+    assert torch.equal(new, want) and rest == ["mask"]

@@ -12,7 +12,7 @@ import pytest
 from mteb.models import EncoderProtocol
 from scipy.stats import spearmanr
 
-from moee.capture.tiny import tiny_model
+from moee.capture.tiny import tiny_model, tiny_tokenizer
 from moee.cli import main as cli_main
 from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
@@ -62,6 +62,24 @@ def embedder(tokenizer):
 
 
 TEXTS = ["The cat sat on the mat.", "Stocks fell sharply today", "", 'He said "no" twice.', "The cat sat."]
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe"])
+def test_mteb_meta_is_zero_shot_and_counts_the_active_parameters(arch):
+    """Training-free: zero-shot on every task (an empty training set, not the unknown ``None``); an
+    MoE model's active parameters are all of them less the idle routed experts of each MoE layer
+    (Qwen2-MoE's shared expert always runs, so it stays in)."""
+    from moee.capture import find_routers
+
+    model = tiny_model(arch, n_layers=2)
+    meta = MoEEMTEBEncoder(MoEEmbedder(model, tiny_tokenizer()), method="hs").mteb_model_meta
+    assert meta.training_datasets == set() and meta.is_zero_shot_on(["STS12", "Banking77Classification"])
+    c = model.config
+    width = c.moe_intermediate_size if arch == "qwen2_moe" else c.intermediate_size
+    per_expert = 3 * c.hidden_size * width  # gate, up and down projections
+    idle = len(find_routers(model)) * (c.num_experts - c.num_experts_per_tok) * per_expert
+    assert meta.n_parameters == sum(p.numel() for p in model.parameters())
+    assert meta.n_active_parameters_override == meta.n_parameters - idle > 0
 
 
 def test_adapter_satisfies_the_encoder_protocol(embedder):

@@ -98,6 +98,9 @@ def test_trim_vocab_and_the_numbers_are_checked_before_loading(
     assert message in capsys.readouterr().err
     assert main(_argv(dense_dir, tmp_path / "moe", "--layer-order", "0,-1")) == 2
     assert "--layer-order takes layer indices >= 0" in capsys.readouterr().err
+    for empty in ("", " "):  # an empty order is refused, not read as "no reordering"
+        assert main(_argv(dense_dir, tmp_path / "moe", "--layer-order", empty)) == 2
+        assert "--layer-order is empty" in capsys.readouterr().err
     assert main(_argv(dense_dir, tmp_path / "moe", "--min-count", "0")) == 2
     assert "--min-count must be >= 1" in capsys.readouterr().err
 

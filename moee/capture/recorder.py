@@ -25,11 +25,20 @@ whose mask is 1, "mean" averages the real positions only (``torch.where``, so Na
 positions by fully masked attention rows cannot leak in). Routers may see ``[B*T, d]`` or
 ``[B, T, d]`` inputs; their logits are reshaped to ``[B, T, E]`` using the batch shape.
 
+Probabilities in place of logits: transformers 5 releases before 5.6.0 returned the softmax
+probabilities as ``router_logits`` for several softmax routers (OLMoE, Mixtral, Qwen-MoE, ...), and a
+remote or custom router may still do so. A router output whose rows are all non-negative and sum to
+1 (:func:`looks_like_probabilities`) is read as probabilities, never softmaxed again: for a
+softmax-family rule its log stands in for the logits (the softmax of ``log p`` is ``p``, so every
+score but ``"logits"`` is exact and ``"logits"`` is off by a per-token constant); any other rule is
+refused with a message, since its logits cannot be recovered from a softmax.
+
 Hooks are removed in ``__exit__``, also when the forward raises.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -49,10 +58,25 @@ from moee.capture.registry import (
 )
 from moee.capture.vocabulary import POOLINGS as EMBEDDING_POOLINGS
 
-__all__ = ["RoutingRecorder", "POOLINGS", "SCORES", "DEFAULT_SCORE"]
+__all__ = ["RoutingRecorder", "POOLINGS", "SCORES", "DEFAULT_SCORE", "looks_like_probabilities"]
 
 #: The embedding poolings plus ``"tokens"`` (every token kept, for token-level routes).
 POOLINGS = (*EMBEDDING_POOLINGS, "tokens")
+
+#: The scoring rules whose dense scores are a softmax of the logits: a router of one of these that
+#: returns probabilities is read through their log (the softmax of ``log p`` is ``p``).
+SOFTMAX_RULES = frozenset({"softmax", "topk_softmax", "softmax_bias"})
+
+
+def looks_like_probabilities(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether router output ``values [..., E]`` (``E >= 2``) is probabilities, not logits: every
+    entry >= 0 and every row summing to 1 (tolerance 1e-3, 2e-2 for 16-bit outputs of ``dtype``).
+    Logits of a trained or random router essentially never satisfy both on every token."""
+    if values.shape[-1] < 2 or values.numel() == 0:
+        return False
+    tol = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
+    v = values.float()
+    return bool((v >= 0).all()) and bool(((v.sum(dim=-1) - 1).abs() <= tol).all())
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -116,6 +140,7 @@ class RoutingRecorder:
             raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for hs_layers=True")
         self._handles: list = []
         self._mask: torch.Tensor | None = None
+        self._warned: set[str] = set()  # routers already reported as returning probabilities
         self._reset()
 
     # ---------------------------------------------------------------- context management
@@ -209,6 +234,27 @@ class RoutingRecorder:
         return tensor.reshape(batch, seq_len, -1)
 
     # ---------------------------------------------------------------- hooks
+    def _as_logits(self, spec: RouterSpec, out: torch.Tensor) -> torch.Tensor:
+        """The router output ``out`` as logits: itself, or, where it holds probabilities (see the
+        module docstring), their log for a softmax-family rule; other rules are refused."""
+        if not looks_like_probabilities(out, out.dtype):
+            return out
+        if spec.rule not in SOFTMAX_RULES:
+            raise RuntimeError(
+                f"router {spec.name} returns probabilities (rows >= 0 summing to 1) where its logits "
+                f"are expected, and its scoring rule {spec.rule!r} cannot be recovered from them; "
+                "upgrade transformers to >= 5.6.0 (earlier 5.x releases return probabilities as "
+                "router_logits) or make the router return its logits"
+            )
+        if spec.name not in self._warned:
+            self._warned.add(spec.name)
+            warnings.warn(
+                f"router {spec.name} returns probabilities as its logits (transformers < 5.6.0 does "
+                "this); they are read as probabilities, not softmaxed again",
+                stacklevel=3,
+            )
+        return torch.log(out.float().clamp(min=torch.finfo(torch.float32).tiny))
+
     def _router_hook(self, i: int, spec: RouterSpec):
         score, rule, router = self.score, spec.rule, spec.router
 
@@ -221,7 +267,7 @@ class RoutingRecorder:
                     if isinstance(output, (tuple, list)) and spec.logits_index is not None:
                         out = output[spec.logits_index]
                     if isinstance(out, torch.Tensor) and out.shape[-1] == spec.n_experts:
-                        logits = out
+                        logits = self._as_logits(spec, out)
                 if logits is None:  # top-k-only outputs and pattern routers: recompute from the input
                     x = _first_tensor(args, kwargs)
                     weight, bias = _projection(module, spec.n_experts)

@@ -84,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_loading_arguments(p)
     add_embedding_arguments(p)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="no progress bar (by default a bar of texts done / total is shown on stderr when it is a terminal)",
+    )
     p.add_argument("--field", default=None, help="JSON key / parquet column holding the text (default: text)")
     p.add_argument(
         "--chunk-size",
@@ -145,7 +152,7 @@ def check_config_fits_model(embedder: Any, config: EmbeddingConfig) -> None:
     if config.reference is not None:
         from moee.embed.reference import load_cached
 
-        load_cached(config.reference).check(embedder.weights_digest, config.feature_dict(), config.reference)
+        embedder.check_reference(load_cached(config.reference), config)
 
 
 def _log(msg: str) -> None:
@@ -256,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             field=args.field,
             chunk_size=chunk_size,
             metadata=lambda: {**facts, "truncated_texts": encoder.truncated},
+            progress=args.progress,
             total_rows=total,
         )
         encoder.report(int(read_metadata(written)["rows"]["count"]))
@@ -298,6 +306,7 @@ def _embed_one_file(
         args.out,
         lambda rows: {**meta, "texts_sha256": digest.hexdigest(), "truncated_texts": encoder.truncated},
         chunk_size=chunk_size,
+        progress=args.progress,
         total=total,
         overwrite=args.overwrite,
     )

@@ -174,7 +174,12 @@ def check_inputs(args: argparse.Namespace) -> list[int] | None:
     from moee.io import check_input_file, check_output_folder, iter_jsonl
 
     order = None
-    if args.layer_order:
+    if args.layer_order is not None:
+        if not args.layer_order.strip():
+            raise ValueError(
+                "--layer-order is empty: give the dense layers to stack, e.g. --layer-order 0,1,2,3,2,3, "
+                "or leave the flag out to keep the dense model's layers as they are"
+            )
         try:
             order = [int(x) for x in args.layer_order.split(",")]
         except ValueError:

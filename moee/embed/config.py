@@ -12,7 +12,9 @@ keywords and builds one).
 in the model folder): :func:`load_model_config` reads it (a local folder, or a Hub repository
 through transformers' cache), :func:`save_model_config` writes it. Every entry point then applies
 one rule, :func:`resolve_config`: an explicit argument, else the model's saved configuration, else
-``EmbeddingConfig()``'s defaults. Its dict forms are
+``EmbeddingConfig()``'s defaults. A model's reference statistics (``reference``) go with the
+configuration they were fitted under (:func:`model_reference_for`): a changed pooling or prompt
+drops them unless a reference is given explicitly. Its dict forms are
 what is persisted, so they must not change: :meth:`EmbeddingConfig.to_dict` is the form of
 ``moee embed`` sidecars and shard manifests, :meth:`EmbeddingConfig.experiment_kwargs` the mteb
 ``experiment_kwargs`` that name result-cache folders
@@ -48,6 +50,7 @@ from moee.embed.recipes import (
     parse_hs_layer,
     parse_rw_layers,
     recipe_spec,
+    rw_layer_indices,
 )
 from moee.embed.validation import check_alpha, check_choice
 
@@ -157,9 +160,10 @@ def recipe_flag(value: str) -> str | None:
     return None if value == "none" else value
 
 
-def path_flag(value: str) -> str:
-    """An absolute path: sidecars record where the file is, usable from any directory."""
-    return str(Path(value).resolve())
+def reference_flag(value: str) -> str | None:
+    """An absolute path (sidecars record where the file is, usable from any directory), or ``none``:
+    no standardisation, also where the model's configuration carries a reference."""
+    return None if value == "none" else str(Path(value).resolve())
 
 
 def normalize_prompt(prompt: Any) -> str | tuple[str, ...] | None:
@@ -294,8 +298,9 @@ class EmbeddingConfig:
     reference: str | None = field(
         default=None,
         metadata={
-            "help": "z-score HS and RW per dimension with a reference written by `moee fit-reference`",
-            "type": path_flag,
+            "help": "z-score HS and RW per dimension with a reference written by `moee fit-reference` "
+            "('none': no standardisation, also where the model's configuration has a reference)",
+            "type": reference_flag,
             "metavar": "FILE",
             "default_text": "none",
             "group": "recipes",
@@ -366,14 +371,15 @@ class EmbeddingConfig:
 
     def feature_dict(self) -> dict[str, Any]:
         """The feature configuration as JSON (a reference records and checks it), without the
-        reference itself and with the prompt as its templates."""
+        reference itself, with the prompt as its templates and the RW layers without their weights."""
         return {
             "pooling": self.pooling,
             "prompt_templates": list(self.prompt_templates),
             "score": self.score,
             "recipe": self.recipe,
             "hs_layer": _jsonable(self.hs_layer),
-            "rw_layers": _jsonable(self.rw_layers),
+            # the layers only: their weights apply after standardisation (``MoEEmbedder.features``)
+            "rw_layers": rw_layer_indices(self.rw_layers),
         }
 
     @property
@@ -526,7 +532,29 @@ def resolve_config(model_config: EmbeddingConfig | None = None, /, **explicit: A
         )
     if model_config is not None and not isinstance(model_config, EmbeddingConfig):
         raise TypeError(f"model_config must be an EmbeddingConfig or None, got {type(model_config).__name__}")
-    return (model_config if model_config is not None else EmbeddingConfig()).replace(**given)
+    resolved = (model_config if model_config is not None else EmbeddingConfig()).replace(**given)
+    if "reference" not in given and model_config is not None and model_config.reference is not None:
+        resolved = resolved.replace(reference=model_reference_for(model_config, resolved))
+    return resolved
+
+
+def model_reference_for(model_config: EmbeddingConfig, config: EmbeddingConfig) -> str | None:
+    """The model's reference where it standardises ``config``'s features, else ``None``.
+
+    A model's reference is fitted under the model's own feature configuration, so it goes with
+    every method, alpha and subset of its MoE layers, but a changed pooling, prompt, score, recipe
+    or HS layer leaves the vectors unstandardised (the resolved configuration then records no
+    reference) rather than refusing the change."""
+    if config.feature_dict() == model_config.feature_dict():
+        return model_config.reference
+    from moee.embed.reference import load_cached
+
+    reference = load_cached(model_config.reference)
+    features = config.feature_dict()
+    fitted = reference.meta.get("features", {})
+    if "max_length" in fitted:  # the embedder's cut, not the configuration's: checked where it is used
+        features["max_length"] = fitted["max_length"]
+    return model_config.reference if reference.accepts(features) else None
 
 
 # ---------------------------------------------------------------------------- the model's own file

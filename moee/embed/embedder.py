@@ -66,9 +66,12 @@ from moee.embed.recipes import (
     combine_features,
     recipe_hooks,
     recipe_spec,
+    rw_layer_indices,
     select_hs,
     select_rw,
+    weigh_rw,
 )
+from moee.embed.reference import weights_digest, weights_fingerprint
 from moee.embed.validation import check_positive_int, check_texts
 
 if TYPE_CHECKING:
@@ -233,6 +236,9 @@ class MoEEmbedder:
             else load_model_prompts(self.name_or_path, local_only=True)
         )
         self._digest: str | None = None
+        #: The weights as loaded: a digest of the weight files only stands while this holds.
+        self._loaded_fingerprint = weights_fingerprint(model)
+        self._digest_fingerprint: tuple | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -332,7 +338,7 @@ class MoEEmbedder:
         from moee.io import seal, write_json_atomic
 
         config = self.default_config
-        load_cached(config.reference).check(self.weights_digest, config.feature_dict(), config.reference)
+        self.check_reference(load_cached(config.reference), config)
         sidecar = reference_paths(copied)[1]
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
         saved = weights_digest(SimpleNamespace(name_or_path=str(copied.parent)))
@@ -412,12 +418,24 @@ class MoEEmbedder:
 
     @property
     def weights_digest(self) -> str:
-        """Short hash of the weights (``moee.embed.reference.weights_digest``), computed once."""
-        if self._digest is None:
-            from moee.embed.reference import weights_digest
-
-            self._digest = weights_digest(self)
+        """Short hash of the weights (``moee.embed.reference.weights_digest``), computed once and
+        again only when the weights change in memory (``weights_fingerprint``); weights modified
+        after loading are hashed from the live parameters, not from the files they were read from."""
+        now = weights_fingerprint(self.model)
+        if self._digest is None or now != self._digest_fingerprint:
+            self._digest = weights_digest(self, live=now != self._loaded_fingerprint)
+            self._digest_fingerprint = now
         return self._digest
+
+    def reference_features(self, config: EmbeddingConfig) -> dict[str, Any]:
+        """What a reference records and is checked against besides the weights: the configuration's
+        features and this embedder's ``max_length`` (a different cut gives different statistics)."""
+        return {**config.feature_dict(), "max_length": self.max_length}
+
+    def check_reference(self, reference: Any, config: EmbeddingConfig) -> None:
+        """Refuse ``reference`` (a ``moee.embed.reference.Reference``) unless it was fitted on these
+        weights under ``config``'s features and this ``max_length``."""
+        reference.check(self.weights_digest, self.reference_features(config), config.reference)
 
     # ------------------------------------------------------------------ tokenization and batching
     def _tokenize(self, texts: Sequence[str], template: str | None = None) -> list[list[int]]:
@@ -758,7 +776,7 @@ class MoEEmbedder:
             from moee.embed.reference import load_cached
 
             reference = load_cached(config.reference)
-            reference.check(self.weights_digest, config.feature_dict(), config.reference)
+            self.check_reference(reference, config)
         hs_out, rw_out = [], []
         for template in config.prompt_templates:
             trace = self.trace(
@@ -772,9 +790,18 @@ class MoEEmbedder:
                 recipe=config.recipe,
             )
             hs = trace.hs if config.hs_layer is None else select_hs(trace.hs_all_layers, config.hs_layer)
-            rw = trace.rw if config.rw_layers is None else select_rw(trace.rw, config.rw_layers)
+            if config.rw_layers is None:
+                rw = trace.rw
+            else:  # weights after the z-scores: standardising weighted layers would undo the weights
+                rw = select_rw(trace.rw, config.rw_layers, weighted=False)
             if reference is not None:
-                hs, rw = reference.apply(hs, rw)
+                layers = rw_layer_indices(config.rw_layers)
+                n_layers = trace.rw.shape[1]
+                hs, rw = reference.apply(
+                    hs, rw, rw_layers=None if layers is None else sorted(i % n_layers for i in layers)
+                )
+            if config.rw_layers is not None:
+                rw = weigh_rw(rw, config.rw_layers, trace.rw.shape[1])
             hs_out.append(hs)
             rw_out.append(rw)
         return np.stack(hs_out, axis=1), np.stack(rw_out, axis=1)
@@ -799,11 +826,13 @@ class MoEEmbedder:
         texts = check_texts(texts)
         check_reference_size(len(texts))  # before any work: a std needs two texts
         config = self._config(config, **keywords).replace(reference=None)
-        hs, rw = self.features(texts, config, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        # the layers' statistics only: weights apply after standardisation, so they do not change them
+        unweighted = config.replace(rw_layers=rw_layer_indices(config.rw_layers))
+        hs, rw = self.features(texts, unweighted, batch_size=batch_size, show_progress_bar=show_progress_bar)
         prompts = hs.shape[1]
         meta = {
             "model": {"name": str(self.name_or_path), "revision": self.weights_digest},
-            "features": config.feature_dict(),
+            "features": self.reference_features(config),
             "n_texts": len(texts),
             "n_prompts": prompts,
             "moee_version": __version__,

@@ -109,20 +109,18 @@ def prepare_text(text: str) -> str:
     return text.replace('"', "'")
 
 
-def render_prompt(text: str, prompt: str | None) -> str:
-    """Render one text with a prompt (name, template or ``None``)."""
+def render_prompt(text: str, prompt: str | None, *, prepare: bool = True) -> str:
+    """Render one text with a prompt (name, template or ``None``); ``prepare=False`` puts the text
+    in as given (a recipe's own frame around an unprompted text, e.g. echo's)."""
     template = resolve_prompt(prompt)
     if template is None:
         return text
-    return template.replace(PLACEHOLDER, prepare_text(text))
+    return template.replace(PLACEHOLDER, prepare_text(text) if prepare else text)
 
 
-def render_prompts(texts: list[str], prompt: str | None) -> list[str]:
+def render_prompts(texts: list[str], prompt: str | None, *, prepare: bool = True) -> list[str]:
     """Render many texts, resolving the prompt once."""
-    template = resolve_prompt(prompt)
-    if template is None:
-        return list(texts)
-    return [template.replace(PLACEHOLDER, prepare_text(t)) for t in texts]
+    return [render_prompt(t, resolve_prompt(prompt), prepare=prepare) for t in texts]
 
 
 def _ids(tokenizer: Any, strings: list[str]) -> list[list[int]]:
@@ -200,19 +198,22 @@ def fit_prompts(
     max_length: int,
     *,
     side: str = "right",
+    prepare: bool = True,
 ) -> tuple[list[list[int]], list[int], list[str]]:
     """:func:`tokenize_prompts` plus, per text, the (possibly shortened) text that was rendered.
 
     A template may hold ``{text}`` more than once (echo embeddings): every copy is cut alike, so
-    the last copy is always whole. The kept texts let a recipe find its positions in the rendered
-    string (``moee.embed.recipes``).
+    the last copy is always whole, and the count of cut tokens is the text's own loss (the tokens
+    the text lost, once), not the sum over its copies. The kept texts let a recipe find its
+    positions in the rendered string (``moee.embed.recipes``). ``prepare=False`` renders the text
+    as given (no full stop, no quote rewriting; see :func:`render_prompt`).
     """
     if side not in ("right", "left"):
         raise ValueError(f"truncation side must be 'right' or 'left', got {side!r}")
     template = resolve_prompt(prompt)
     texts = list(texts)
     kept = list(texts)
-    out = _ids(tokenizer, render_prompts(texts, template)) if texts else []
+    out = _ids(tokenizer, render_prompts(texts, template, prepare=prepare)) if texts else []
     cut = [0] * len(out)
     for i, ids in enumerate(out):
         if len(ids) <= max_length:
@@ -228,7 +229,7 @@ def fit_prompts(
 
         def fits(k: int, pieces: list[str] = pieces, tried: dict[int, list[int]] = tried) -> bool:
             if k not in tried:
-                tried[k] = _ids(tokenizer, [render_prompt(pieces[k], template)])[0]
+                tried[k] = _ids(tokenizer, [render_prompt(pieces[k], template, prepare=prepare)])[0]
             return len(tried[k]) <= max_length
 
         keep = _largest_fitting(fits, len(pieces), len(pieces) - (len(ids) - max_length))
@@ -237,5 +238,6 @@ def fit_prompts(
                 f"the prompt {prompt!r} with an empty text is {len(tried[0])} tokens, more than the maximum "
                 f"length {max_length}: no text would fit"
             )
-        out[i], cut[i], kept[i] = tried[keep], len(ids) - len(tried[keep]), pieces[keep]
+        whole, left = _ids(tokenizer, [text, pieces[keep]])  # the text alone: its own loss, once
+        out[i], cut[i], kept[i] = tried[keep], len(whole) - len(left), pieces[keep]
     return out, cut, kept

@@ -8,7 +8,8 @@ recipe never introduces batch statistics. The entries of :data:`RECIPES` (``docs
 - ``echo`` (Springer et al. 2024, "Repetition improves language model embeddings"): the text is
   given twice, ``Rewrite the sentence: <text>, rewritten sentence: <text>``, and only the second
   copy is pooled (last token or mean), so every pooled token has seen the whole text. With a
-  prompt, the second copy is the prompted text. A long text is cut inside both copies alike
+  prompt, the second copy is the prompted text; without one, both copies are the text exactly as
+  given (no full stop, no quote rewriting). A long text is cut inside both copies alike
   (``moee.embed.prompts.fit_prompts``), so the second copy always survives whole.
 - ``token_prepending`` (Fu et al. 2025, "Token Prepending: A Training-Free Approach for Eliciting
   Better Sentence Embeddings from LLMs"): one placeholder token is put right before the text; in
@@ -51,9 +52,12 @@ __all__ = [
     "parse_hs_layer",
     "parse_rw_layers",
     "recipe_spec",
+    "resolve_rw_layers",
+    "rw_layer_indices",
     "select_hs",
     "select_rw",
     "token_prepending_layers",
+    "weigh_rw",
 ]
 
 #: The first copy of the text in echo embeddings (Springer et al. 2024's wording); the second copy,
@@ -120,11 +124,14 @@ def _tokenize_plain(
 
 def _tokenize_echo(emb: Any, texts: Sequence[str], template: str | None) -> tuple[list[Tokenized], list[int]]:
     full = ECHO_PREFIX + (template or PLACEHOLDER)
-    ids, cut, kept = fit_prompts(emb.tokenizer, texts, full, emb.max_length, side=emb.truncation_side)
+    prepare = template is not None  # without a prompt both copies are the text exactly as given
+    ids, cut, kept = fit_prompts(
+        emb.tokenizer, texts, full, emb.max_length, side=emb.truncation_side, prepare=prepare
+    )
     if not ids:
         return [], cut
-    rendered = [render_prompt(t, full) for t in kept]
-    starts = [len(render_prompt(t, ECHO_PREFIX)) for t in kept]
+    rendered = [render_prompt(t, full, prepare=prepare) for t in kept]
+    starts = [len(render_prompt(t, ECHO_PREFIX, prepare=prepare)) for t in kept]
     out = []
     for seq, (again, spans), start in zip(
         ids, _offsets(emb.tokenizer, rendered, "echo"), starts, strict=True
@@ -409,9 +416,21 @@ def parse_rw_layers(value: Any) -> tuple[int, ...] | tuple[tuple[int, float], ..
     return tuple(sorted(indices))
 
 
-def select_rw(rw: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...]) -> np.ndarray:
-    """``[n, L, E] -> [n, L', E]``: the named MoE layers, in model order, each multiplied by its weight."""
-    n_layers = rw.shape[1]
+def select_rw(
+    rw: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...], *, weighted: bool = True
+) -> np.ndarray:
+    """``[n, L, E] -> [n, L', E]``: the named MoE layers, in model order, each multiplied by its weight
+    (``weighted=False``: the layers only; a reference standardises those, then :func:`weigh_rw` applies
+    the weights, so z-scoring cannot undo them)."""
+    resolved = resolve_rw_layers(rw_layers, rw.shape[1])
+    out = rw[:, [i for i, _ in resolved]].astype(np.float32, copy=True)
+    return weigh_rw(out, rw_layers, rw.shape[1]) if weighted else out
+
+
+def resolve_rw_layers(
+    rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...], n_layers: int
+) -> list[tuple[int, float]]:
+    """``(index, weight)`` per named MoE layer, indices made non-negative and sorted (model order)."""
     pairs = [(p, 1.0) if isinstance(p, int) else p for p in rw_layers]
     resolved = []
     for index, weight in pairs:
@@ -424,11 +443,28 @@ def select_rw(rw: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, floa
         raise ValueError(
             f"rw_layers names a layer twice once negative indices are resolved: {list(rw_layers)}"
         )
-    resolved.sort()
-    out = rw[:, [i for i, _ in resolved]].astype(np.float32, copy=True)
-    if any(w != 1.0 for _, w in resolved):
-        out *= np.asarray([w for _, w in resolved], dtype=np.float32)[None, :, None]
-    return out
+    return sorted(resolved)
+
+
+def weigh_rw(
+    selected: np.ndarray, rw_layers: tuple[int, ...] | tuple[tuple[int, float], ...], n_layers: int
+) -> np.ndarray:
+    """``[n, L', E]`` layers chosen by ``rw_layers`` from ``n_layers`` (model order) times their
+    weights (a copy when any weight is not 1)."""
+    weights = [w for _, w in resolve_rw_layers(rw_layers, n_layers)]
+    if len(weights) != selected.shape[1]:
+        raise ValueError(f"rw_layers names {len(weights)} layers, the features hold {selected.shape[1]}")
+    if all(w == 1.0 for w in weights):
+        return selected
+    return selected * np.asarray(weights, dtype=np.float32)[None, :, None]
+
+
+def rw_layer_indices(rw_layers: Any) -> list[int] | None:
+    """The MoE layers ``rw_layers`` names, without weights: what a reference's statistics depend on
+    (the weights apply after standardisation)."""
+    if rw_layers is None:
+        return None
+    return [p if isinstance(p, int) else p[0] for p in rw_layers]
 
 
 def rw_layer_count(rw_layers: Sequence[Any] | None, n_layers: int) -> int:

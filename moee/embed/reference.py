@@ -9,7 +9,8 @@ combines them. A text alone gets exactly the vector it gets inside any corpus ru
 A reference is two files: ``NAME.safetensors`` (float64 ``hs_mean``, ``hs_std``, ``rw_mean``,
 ``rw_std``; RW flattened in layer order) and ``NAME.json`` beside it: format and version, the
 model (name, weights hash), the feature configuration it was fitted under (pooling, prompt
-templates, score, recipe, hs_layer, rw_layers), the number of texts, the moee version, the
+templates, score, recipe, hs_layer, rw_layers, and the embedder's ``max_length``, which decides
+where long texts are cut), the number of texts, the moee version, the
 statistics' digest (``sha256``, required) and the sidecar's own content digest
 (``sidecar_sha256``, ``moee.io.seal``). Using a reference with another model or another feature
 configuration is an error that names the difference; so are statistics or a sidecar changed after
@@ -38,6 +39,7 @@ __all__ = [
     "file_digest",
     "reference_paths",
     "weights_digest",
+    "weights_fingerprint",
 ]
 
 REFERENCE_FORMAT = "moee-reference"
@@ -77,17 +79,34 @@ def file_digest(path: str | os.PathLike) -> str:
     return sha.hexdigest()[:12]
 
 
-def weights_digest(embedder: Any) -> str:
+def weights_fingerprint(model: Any) -> tuple:
+    """What changes when a weight is modified in memory, without reading the weights: per
+    ``state_dict`` entry its name, tensor identity, autograd version counter (bumped by every
+    in-place write: ``load_state_dict``, ``w.mul_(0)`` under ``no_grad``), dtype and shape. Moving
+    the model to another device keeps it; a write through ``w.data`` bypasses the version counter
+    and is not seen (write through the tensor itself)."""
+    if not hasattr(model, "state_dict"):
+        return ()
+    return tuple(
+        (name, id(t), t._version, t.dtype, tuple(t.shape))
+        for name, t in model.state_dict(keep_vars=True).items()
+        if hasattr(t, "_version")
+    )
+
+
+def weights_digest(embedder: Any, *, live: bool = False) -> str:
     """A short, stable hash of the weights: the mteb revision, and the model a reference belongs to.
 
     A local model directory is hashed through its weight files (cheap, and identical for
-    every process that loads the same files); an in-memory model through its parameters.
+    every process that loads the same files); an in-memory model, or any model with ``live=True``
+    (weights changed after loading, see :func:`weights_fingerprint`), through its parameters.
     """
     sha = hashlib.sha256()
     path = getattr(embedder, "name_or_path", None)
     files: list[Path] = []
-    if path and Path(str(path)).is_dir():
-        files = sorted(Path(str(path)).glob("*.safetensors")) or sorted(Path(str(path)).glob("*.bin"))
+    if not live and path and Path(str(path)).is_dir():
+        files = [f for f in sorted(Path(str(path)).glob("*.safetensors")) if not _is_reference(f)]
+        files = files or sorted(Path(str(path)).glob("*.bin"))
     if files:
         for file in files:
             sha.update(file.name.encode())
@@ -97,14 +116,29 @@ def weights_digest(embedder: Any) -> str:
         return sha.hexdigest()[:12]
     model = getattr(embedder, "model", None)
     commit = getattr(getattr(model, "config", None), "_commit_hash", None)
-    if commit:
+    if commit and not live:
         return str(commit)[:12]
     if model is not None and hasattr(model, "state_dict"):
         for name, tensor in sorted(model.state_dict().items()):
             sha.update(name.encode())
+            if tensor.device.type == "meta":  # offloaded: only its place in the model is known here
+                sha.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
+                continue
             sha.update(tensor.detach().float().cpu().numpy().tobytes())
         return sha.hexdigest()[:12]
     return "unknown"
+
+
+def _is_reference(tensors: Path) -> bool:
+    """Whether a ``.safetensors`` file of a model folder is a reference's statistics (its ``.json``
+    sidecar says so), not weights: a folder that carries its reference keeps its weights digest."""
+    sidecar = tensors.with_suffix(".json")
+    if not sidecar.is_file():
+        return False
+    try:
+        return json.loads(sidecar.read_text(encoding="utf-8")).get("format") == REFERENCE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -207,6 +241,19 @@ class Reference:
         )
 
     # ------------------------------------------------------------------ use
+    def accepts(self, features: dict[str, Any]) -> bool:
+        """Whether these statistics standardise features of that configuration: the one they were
+        fitted under, or a subset of its MoE layers (``rw_layers``) when they were fitted on all."""
+        fitted = self.meta.get("features", {})
+        if fitted == features:
+            return True
+        rest = {k: v for k, v in fitted.items() if k != "rw_layers"}
+        return (
+            fitted.get("rw_layers") is None
+            and features.get("rw_layers") is not None
+            and rest == {k: v for k, v in features.items() if k != "rw_layers"}
+        )
+
     def check(self, revision: str, features: dict[str, Any], path: Any = "") -> None:
         """Refuse a reference of another model (weights hash) or feature configuration."""
         model = self.meta.get("model", {})
@@ -215,24 +262,34 @@ class Reference:
                 f"reference {path} was fitted on model {model.get('name')!r} with weights {model.get('revision')}, "
                 f"not on this model (weights {revision}); fit one for this model with moee fit-reference"
             )
-        fitted = self.meta.get("features", {})
-        if fitted != features:
+        if not self.accepts(features):
+            fitted = self.meta.get("features", {})
             diff = sorted(k for k in set(fitted) | set(features) if fitted.get(k) != features.get(k))
             details = ", ".join(f"{k}: reference {fitted.get(k)!r} vs now {features.get(k)!r}" for k in diff)
             raise ValueError(f"reference {path} was fitted under another configuration ({details})")
 
-    def apply(self, hs: np.ndarray, rw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Row-wise z-scores of ``hs [n, d]`` and ``rw [n, L, E]`` (shapes kept, float32)."""
+    def apply(
+        self, hs: np.ndarray, rw: np.ndarray, *, rw_layers: list[int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Row-wise z-scores of ``hs [n, d]`` and ``rw [n, L, E]`` (shapes kept, float32).
+        ``rw_layers``: the MoE layers (non-negative, model order) ``rw`` holds of a reference fitted on
+        every layer, whose statistics are sliced to them."""
         n = hs.shape[0]
         h = hs.reshape(n, -1).astype(np.float64)
         r = rw.reshape(n, -1).astype(np.float64)
-        if h.shape[1] != self.hs_mean.shape[0] or r.shape[1] != self.rw_mean.shape[0]:
+        rw_mean, rw_std = self.rw_mean, self.rw_std
+        fitted_on_all = self.meta.get("features", {}).get("rw_layers") is None
+        if rw_layers is not None and fitted_on_all and rw.ndim == 3 and rw_mean.shape[0] % rw.shape[2] == 0:
+            per_layer = (-1, rw.shape[2])
+            rw_mean = rw_mean.reshape(per_layer)[rw_layers].reshape(-1)
+            rw_std = rw_std.reshape(per_layer)[rw_layers].reshape(-1)
+        if h.shape[1] != self.hs_mean.shape[0] or r.shape[1] != rw_mean.shape[0]:
             raise ValueError(
-                f"reference has HS width {self.hs_mean.shape[0]} and RW width {self.rw_mean.shape[0]}, "
+                f"reference has HS width {self.hs_mean.shape[0]} and RW width {rw_mean.shape[0]}, "
                 f"the features have {h.shape[1]} and {r.shape[1]}"
             )
         zh = (h - self.hs_mean) / _safe(self.hs_std)
-        zr = (r - self.rw_mean) / _safe(self.rw_std)
+        zr = (r - rw_mean) / _safe(rw_std)
         return zh.astype(np.float32).reshape(hs.shape), zr.astype(np.float32).reshape(rw.shape)
 
 

