@@ -661,7 +661,10 @@ def test_ensemble_vectors_are_the_renormalised_float64_mean():
     ]
     assert combine_ensemble(wide, False)[0, 0] == np.float32(16777218 / 3)
     hs, rw = rng.normal(size=(3, 2, 4)), rng.random(size=(3, 2, 2, 3))
-    for p in range(2):
+    for p in range(2):  # the defaults: alpha 1, L2-normalised rows (HS alone shows the norm)
+        one = combine_features(hs[:, p : p + 1], rw[:, p : p + 1], "hs")
+        np.testing.assert_allclose(one, combine(hs[:, p], rw[:, p], "hs", alpha=1.0, normalize=True))
+        assert np.allclose(np.linalg.norm(one, axis=1), 1.0)
         one = combine_features(hs[:, p : p + 1], rw[:, p : p + 1], "moee_sum")
         np.testing.assert_allclose(one, combine(hs[:, p], rw[:, p], "moee_sum", alpha=1.0, normalize=True))
     two = combine_features(hs, rw, "moee_sum", alpha=0.3, normalize=False)
@@ -684,3 +687,15 @@ def test_token_prepending_hook_needs_its_batch_and_reads_keyword_states(emb):
     assert torch.equal(kwargs["hidden_states"], want)
     (new, *rest), _ = prepend._hook(layer, (hidden, "mask"), {})
     assert torch.equal(new, want) and rest == ["mask"]
+
+
+def test_reference_apply_refuses_features_of_another_width():
+    ref = Reference(np.zeros(4), np.ones(4), np.zeros(6), np.ones(6), meta={})
+    hs, rw = np.ones((2, 4), np.float32), np.ones((2, 2, 3), np.float32)
+    z_hs, z_rw = ref.apply(hs, rw)
+    assert z_hs.shape == hs.shape and z_rw.shape == rw.shape
+    message = r"^reference has HS width 4 and RW width 6, the features have {} and {}$"
+    with pytest.raises(ValueError, match=message.format(4, 4)):
+        ref.apply(hs, np.ones((2, 2, 2), np.float32))  # RW alone too narrow
+    with pytest.raises(ValueError, match=message.format(3, 6)):
+        ref.apply(np.ones((2, 3), np.float32), rw)  # HS alone too narrow
