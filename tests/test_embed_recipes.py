@@ -690,10 +690,13 @@ def test_token_prepending_hook_needs_its_batch_and_reads_keyword_states(emb):
 
 
 def test_reference_apply_refuses_features_of_another_width():
-    ref = Reference(np.zeros(4), np.ones(4), np.zeros(6), np.ones(6), meta={})
-    hs, rw = np.ones((2, 4), np.float32), np.ones((2, 2, 3), np.float32)
+    ref = Reference(np.full(4, 1.0), np.full(4, 2.0), np.full(6, 0.5), np.full(6, 4.0), meta={})
+    hs, rw = np.full((2, 4), 3.0, np.float32), np.full((2, 2, 3), 2.5, np.float32)
     z_hs, z_rw = ref.apply(hs, rw)
     assert z_hs.shape == hs.shape and z_rw.shape == rw.shape
+    assert z_hs.dtype == z_rw.dtype == np.float32
+    assert (z_hs == 1.0).all() and (z_rw == 0.5).all()  # (3 - 1) / 2 and (2.5 - 0.5) / 4
+    assert ref.apply(hs.reshape(2, 2, 2), rw)[0].shape == (2, 2, 2)  # any HS shape comes back as given
     message = r"^reference has HS width 4 and RW width 6, the features have {} and {}$"
     with pytest.raises(ValueError, match=message.format(4, 4)):
         ref.apply(hs, np.ones((2, 2, 2), np.float32))  # RW alone too narrow
