@@ -702,3 +702,13 @@ def test_reference_apply_refuses_features_of_another_width():
         ref.apply(hs, np.ones((2, 2, 2), np.float32))  # RW alone too narrow
     with pytest.raises(ValueError, match=message.format(3, 6)):
         ref.apply(np.ones((2, 3), np.float32), rw)  # HS alone too narrow
+
+
+def test_reference_centres_constant_dimensions_and_names_a_missing_model():
+    from moee.embed.reference import MIN_STD
+
+    ref = Reference(np.array([1.0, 1.0]), np.array([0.0, MIN_STD]), np.zeros(1), np.ones(1), meta={})
+    z, _ = ref.apply(np.array([[3.0, 2.0]], np.float32), np.ones((1, 1, 1), np.float32))
+    assert z.tolist() == [[2.0, 1.0]]  # std 0 or at the floor: only centred, divided by 1
+    with pytest.raises(ValueError, match=r"^reference  was fitted on model None with weights None, not on"):
+        ref.check("abc", {})
