@@ -662,7 +662,10 @@ def test_ensemble_vectors_are_the_renormalised_float64_mean():
     ]
     assert combine_ensemble(wide, False)[0, 0] == np.float32(16777218 / 3)
     hs, rw = rng.normal(size=(3, 2, 4)), rng.random(size=(3, 2, 2, 3))
-    for p in range(2):
+    for p in range(2):  # the defaults: alpha 1, L2-normalised rows (HS alone shows the norm)
+        one = combine_features(hs[:, p : p + 1], rw[:, p : p + 1], "hs")
+        np.testing.assert_allclose(one, combine(hs[:, p], rw[:, p], "hs", alpha=1.0, normalize=True))
+        assert np.allclose(np.linalg.norm(one, axis=1), 1.0)
         one = combine_features(hs[:, p : p + 1], rw[:, p : p + 1], "moee_sum")
         np.testing.assert_allclose(one, combine(hs[:, p], rw[:, p], "moee_sum", alpha=1.0, normalize=True))
     two = combine_features(hs, rw, "moee_sum", alpha=0.3, normalize=False)
@@ -685,3 +688,28 @@ def test_token_prepending_hook_needs_its_batch_and_reads_keyword_states(emb):
     assert torch.equal(kwargs["hidden_states"], want)
     (new, *rest), _ = prepend._hook(layer, (hidden, "mask"), {})
     assert torch.equal(new, want) and rest == ["mask"]
+
+
+def test_reference_apply_refuses_features_of_another_width():
+    ref = Reference(np.full(4, 1.0), np.full(4, 2.0), np.full(6, 0.5), np.full(6, 4.0), meta={})
+    hs, rw = np.full((2, 4), 3.0, np.float32), np.full((2, 2, 3), 2.5, np.float32)
+    z_hs, z_rw = ref.apply(hs, rw)
+    assert z_hs.shape == hs.shape and z_rw.shape == rw.shape
+    assert z_hs.dtype == z_rw.dtype == np.float32
+    assert (z_hs == 1.0).all() and (z_rw == 0.5).all()  # (3 - 1) / 2 and (2.5 - 0.5) / 4
+    assert ref.apply(hs.reshape(2, 2, 2), rw)[0].shape == (2, 2, 2)  # any HS shape comes back as given
+    message = r"^reference has HS width 4 and RW width 6, the features have {} and {}$"
+    with pytest.raises(ValueError, match=message.format(4, 4)):
+        ref.apply(hs, np.ones((2, 2, 2), np.float32))  # RW alone too narrow
+    with pytest.raises(ValueError, match=message.format(3, 6)):
+        ref.apply(np.ones((2, 3), np.float32), rw)  # HS alone too narrow
+
+
+def test_reference_centres_constant_dimensions_and_names_a_missing_model():
+    from moee.embed.reference import MIN_STD
+
+    ref = Reference(np.array([1.0, 1.0]), np.array([0.0, MIN_STD]), np.zeros(1), np.ones(1), meta={})
+    z, _ = ref.apply(np.array([[3.0, 2.0]], np.float32), np.ones((1, 1, 1), np.float32))
+    assert z.tolist() == [[2.0, 1.0]]  # std 0 or at the floor: only centred, divided by 1
+    with pytest.raises(ValueError, match=r"^reference  was fitted on model None with weights None, not on"):
+        ref.check("abc", {})
