@@ -648,3 +648,30 @@ def test_a_kill_during_the_evaluation_after_a_checkpoint_is_made_good_on_resume(
     }
     assert again[4]["loss"] == records[4]["loss"] and resumed.last_eval["loss"] == full.last_eval["loss"]
     assert _train_losses(tmp_path / "full" / "log.jsonl") == _train_losses(tmp_path / "split" / "log.jsonl")
+
+
+def test_missing_inputs_of_the_default_config_name_the_scripts_that_build_them(tmp_path, monkeypatch, capsys):
+    """A clone without build/: every missing input is named, with its producer, before any loading."""
+    from moee.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "default_model.json"
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "init.from build/upcycled-minilm (built by scripts/train_default_model.sh" in err
+    assert "data.train build/corpus/train.jsonl (built by scripts/build_corpus.py)" in err
+    assert "data.heldout build/corpus/heldout.jsonl" in err and "data.tokenizer build/upcycled-minilm" in err
+    assert len(err.splitlines()) == 1  # no traceback
+
+
+def test_a_missing_corpus_is_reported_before_the_tokenizer_loads(corpus, tmp_path, monkeypatch):
+    import transformers
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the tokenizer must not load before the inputs are checked")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
+    cfg = tiny_cfg(corpus, tmp_path / "run")
+    cfg["data"]["heldout"] = str(tmp_path / "nowhere.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"data\.heldout .*nowhere\.jsonl"):
+        train(cfg, progress=False)

@@ -204,6 +204,50 @@ def load_config(source: str | os.PathLike | dict) -> dict:
     return cfg
 
 
+#: where the repository's own inputs come from: a missing one names the script that builds it
+INPUT_PRODUCERS: dict[str, str] = {
+    "build/upcycled-minilm": "scripts/train_default_model.sh (its first step, moee upcycle, builds it)",
+    "build/corpus": "scripts/build_corpus.py",
+}
+
+
+def _looks_local(value: str) -> bool:
+    """Whether a model or tokenizer source names a local path rather than a hub ``owner/name``:
+    absolute or ``./``-relative, more than one ``/``, or under ``build/``."""
+    return (
+        os.path.isabs(value)
+        or value.startswith((".", "~"))
+        or value.count("/") != 1
+        or value.split("/", 1)[0] == "build"
+    )
+
+
+def check_inputs(cfg: dict) -> None:
+    """Every input path of ``cfg`` (``init.from``, ``data.train``, ``data.heldout``,
+    ``data.tokenizer``) exists, checked before any work starts; one error lists all that are
+    missing, each with the script that builds it (`INPUT_PRODUCERS`). A model or tokenizer source
+    that reads as a hub name (``owner/name``) is left to the loader."""
+    missing = []
+    for key, value, always_local in (
+        ("init.from", cfg["init"]["from"], False),
+        ("data.train", cfg["data"]["train"], True),
+        ("data.heldout", cfg["data"]["heldout"], True),
+        ("data.tokenizer", cfg["data"]["tokenizer"], False),
+    ):
+        if value is None or Path(value).expanduser().exists():
+            continue
+        if not always_local and not _looks_local(str(value)):
+            continue
+        norm = Path(value).as_posix()
+        producer = next((s for prefix, s in INPUT_PRODUCERS.items() if norm.startswith(prefix)), None)
+        hint = f" (built by {producer})" if producer else ""
+        missing.append(f"{key} {value}{hint}")
+    if missing:
+        raise FileNotFoundError(
+            f"missing input(s), relative to {os.getcwd()}: " + "; ".join(missing) + "; build them first"
+        )
+
+
 def _check_model_section(model: Any, origin: str) -> None:
     """Reject unknown `model` keys (MoEEConfig would store a misspelt router key and ignore it)
     and check the values, router settings included, before any data is tokenized."""
@@ -698,6 +742,7 @@ def train(
     from transformers import AutoTokenizer
 
     cfg = load_config(config)
+    check_inputs(cfg)
     if cfg["threads"]:
         torch.set_num_threads(int(cfg["threads"]))
     data, optim_cfg, sched, ev, ck = (
