@@ -118,3 +118,49 @@ def test_causal_template_adds_only_a_leading_bos():
     assert tok.convert_ids_to_tokens(tok("cab bad").input_ids) == ["[CLS]", "cab", "bad"]
     assert tok.bos_token == "[CLS]" and tok.eos_token == "[SEP]"
     assert tok.bos_token_id == 2 and tok.eos_token_id == 3
+
+
+def test_a_count_equal_to_min_count_is_kept():
+    tok = bert_tokenizer()
+    counts = np.zeros(len(WORDS), dtype=np.int64)
+    counts[WORDS.index("cab")] = 2
+    counts[WORDS.index("bad")] = 1
+    names = {WORDS[i] for i in keep_for_counts(tok, counts, min_count=2)}
+    assert "cab" in names and "bad" not in names
+
+
+# the specials after the words: trimming words moves their ids, so every place that names them must follow
+LATE = [w for w in WORDS if w not in ("[CLS]", "[SEP]")] + ["[CLS]", "[SEP]"]
+
+
+def late_special_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(LATE)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+
+
+@pytest.mark.parametrize("causal_first", [False, True])
+def test_template_and_special_token_ids_follow_the_trimmed_vocabulary(causal_first):
+    tok = late_special_tokenizer()
+    if causal_first:
+        tok = causal_template(tok)
+    model = lm(len(LATE))
+    model.config.sep_token_id = LATE.index("[SEP]")
+    keep = [LATE.index(w) for w in ("a", "b", "c", "d", "cab")]
+    model, new_tok, kept = trim_vocabulary(model, tok, keep)
+    n = len(kept)
+    assert new_tok.cls_token_id == n - 2 and new_tok.sep_token_id == n - 1
+    assert model.config.sep_token_id == n - 1
+    ids = new_tok("cab").input_ids
+    want = ["[CLS]", "cab"] if causal_first else ["[CLS]", "cab", "[SEP]"]
+    assert new_tok.convert_ids_to_tokens(ids) == want and max(ids) < n
+    pair = new_tok("cab", "a").input_ids
+    assert new_tok.convert_ids_to_tokens(pair)[:3] == ["[CLS]", "cab", "[SEP]"] and max(pair) < n
