@@ -30,6 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moee.moe.gate_registry import RouterFields, gate_spec, load_router_weight
+from moee.moe.layer import COLLAPSE_MAX_OVER_MEAN
 from moee.moe.upcycled import (
     FAMILIES,
     MODES,
@@ -62,9 +63,6 @@ __all__ = [
 
 ROUTER_INITS = ("centroid", "random", "zero")
 SHARED_SELECTIONS = ("norm", "central")
-
-#: a layer whose heaviest expert takes more than this many times the mean load is reported as collapsed
-COLLAPSE_MAX_OVER_MEAN = 2.0
 
 
 class UpcycleWarning(UserWarning):
