@@ -220,7 +220,7 @@ def test_causal_template_pairs_and_chosen_bos_eos():
     bare = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     )
-    with pytest.raises(ValueError, match="has no CLS/SEP tokens: pass bos= and eos="):
+    with pytest.raises(ValueError, match=r"^the tokenizer has no CLS/SEP tokens: pass bos= and eos=$"):
         causal_template(bare)
     with pytest.raises(ValueError, match="has no CLS/SEP tokens"):
         causal_template(bare, bos="a")
