@@ -205,3 +205,27 @@ def test_a_calibrate_corpus_is_checked_before_loading(tmp_path, capsys):
     bad.write_text(json.dumps({"txt": "x"}) + "\n")
     assert main(cli(tmp_path / "missing", tmp_path / "moe", "--calibrate", str(bad))) == 2
     assert "needs a string 'text' field" in capsys.readouterr().err
+
+
+def test_calibration_texts_are_short_english_sentences():
+    from moee.moe.upcycle import calibration_texts
+
+    texts = calibration_texts()
+    assert len(texts) == 256 and len(set(texts)) > 200
+    assert all(20 < len(t) < 200 and t == t.strip() and "  " not in t and "\n" not in t for t in texts)
+    assert calibration_texts(5) == texts[:5]
+    assert sum(t[-1] in ".!?" for t in texts) > 200
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "vocab.txt"])
+def test_a_local_folder_lends_its_tokenizer_to_the_calibration(tmp_path, monkeypatch, name):
+    import transformers
+
+    from moee.moe.upcycle import _local_tokenizer
+
+    assert _local_tokenizer(tmp_path) is None
+    (tmp_path / "other.json").write_text("{}")
+    assert _local_tokenizer(tmp_path) is None
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda folder: ("loaded", folder))
+    (tmp_path / name).write_text("{}")
+    assert _local_tokenizer(tmp_path) == ("loaded", tmp_path)
