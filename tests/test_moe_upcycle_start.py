@@ -229,3 +229,15 @@ def test_a_local_folder_lends_its_tokenizer_to_the_calibration(tmp_path, monkeyp
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda folder: ("loaded", folder))
     (tmp_path / name).write_text("{}")
     assert _local_tokenizer(tmp_path) == ("loaded", tmp_path)
+
+
+def test_select_shared_neurons_takes_zero_and_names_a_bad_selection():
+    from moee.moe.upcycle import select_shared_neurons
+
+    rule = family_rule("bert")
+    ffn = rule.read(moe_layers(dense_model("bert").base_model, rule)[0])
+    assert select_shared_neurons(ffn, 0).numel() == 0
+    with pytest.raises(
+        ValueError, match=r"shared-neuron selection must be one of \('norm', 'central'\), got 'x'"
+    ):
+        select_shared_neurons(ffn, 1, "x")
