@@ -241,3 +241,5 @@ def test_select_shared_neurons_takes_zero_and_names_a_bad_selection():
         ValueError, match=r"shared-neuron selection must be one of \('norm', 'central'\), got 'x'"
     ):
         select_shared_neurons(ffn, 1, "x")
+    with pytest.raises(ValueError, match=r"^shared_neurons must be in \[0, d_ff=48\), got 48$"):
+        select_shared_neurons(ffn, ffn.d_ff)
