@@ -339,3 +339,29 @@ def test_gate_without_a_loss_gives_a_zero_loss():
     layer = MoELayer(4, 4, n_experts=2, k=1, gate=FixedGate())
     y, aux = layer(torch.randn(3, 4))
     assert aux["loss"].shape == () and aux["loss"].item() == 0.0 and "load_estimate" not in aux
+
+
+def test_a_noisy_gate_reports_the_load_of_its_noise_free_decision_in_training():
+    """Training noise spreads the picks of a collapsed gate; the clean_* figures are those of the
+    noise-free decision, equal to what the same layer reports in evaluation."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, n_experts=4, k=1, noisy=True)
+    with torch.no_grad():
+        layer.gate.gate.w_gate.weight.zero_()
+        layer.gate.gate.w_gate.weight[2] = 0.01  # a small push towards expert 2 for every token
+        layer.gate.gate.w_noise.weight.fill_(0.0)
+    x = torch.randn(64, 8).abs()
+    layer.train()
+    _, train_aux = layer(x)
+    layer.eval()
+    _, eval_aux = layer(x)
+    assert "clean_load" not in eval_aux
+    assert torch.equal(train_aux["clean_load"], eval_aux["load"])
+    assert float(train_aux["clean_max_over_mean_load"]) == float(eval_aux["max_over_mean_load"]) == 4.0
+    assert float(train_aux["max_over_mean_load"]) < 4.0  # the noisy picks look balanced
+    assert layer_mod.noise_free_balance(train_aux)[2] == layer_mod.noise_free_balance(eval_aux)[2]
+    mask = torch.zeros(64, dtype=torch.bool)
+    mask[:10] = True
+    layer.train()
+    _, masked = layer(x, token_mask=mask)
+    assert float(masked["clean_load"].sum()) == 10

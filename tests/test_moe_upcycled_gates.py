@@ -47,7 +47,7 @@ def test_settings_cover_the_registry_and_both_configs_read_the_same_fields():
         assert fields <= set(config.__dataclass_fields__), config.__name__
 
 
-def _upcycled(name: str, **extra) -> MoEEUpcycledForCausalLM:
+def _upcycled(name: str, balance_router: bool | None = None, **extra) -> MoEEUpcycledForCausalLM:
     top_k, options = GATE_SETTINGS[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CausalLeakWarning)
@@ -58,6 +58,7 @@ def _upcycled(name: str, **extra) -> MoEEUpcycledForCausalLM:
             mode="split",
             router_type=name,
             router_options={**options, **extra},
+            balance_router=balance_router,
         )
 
 
@@ -120,14 +121,14 @@ def test_every_gate_round_trips_in_an_upcycled_model(name, tmp_path):
 
 def test_upcycled_router_starts_where_upcycle_puts_it():
     # split + centroid init: the hierarchical gate's groups take their experts' centroids
-    flat = _upcycled("loss_free")
-    hier = _upcycled("hierarchical")
+    flat = _upcycled("loss_free", balance_router=False)
+    hier = _upcycled("hierarchical", balance_router=False)
     for a, b in zip(flat.moe_ffns(), hier.moe_ffns(), strict=True):
         rows = a.router.gate.w_gate.weight  # [E, d], the centroids
         gate = b.router.gate
         assert torch.equal(gate.w_gate_secondary, rows.reshape(2, 2, -1).transpose(1, 2))
         assert torch.allclose(gate.w_gate.weight, rows.reshape(2, 2, -1).mean(1))
-    switch = _upcycled("switch")
+    switch = _upcycled("switch", balance_router=False)
     for a, b in zip(flat.moe_ffns(), switch.moe_ffns(), strict=True):
         assert torch.equal(b.router.gate.weight, a.router.gate.w_gate.weight.t())
 

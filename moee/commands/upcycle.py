@@ -55,7 +55,27 @@ def register(subparsers) -> None:
     p.add_argument(
         "--router-std", type=float, default=0.02, help="std of a random router (default %(default)s)"
     )
-    p.add_argument("--seed", type=int, default=0, help="k-means / router seed (default %(default)s)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="every random draw: k-means starts, random routers, weights the checkpoint lacks "
+        "(an encoder's new LM head) (default %(default)s)",
+    )
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="CORPUS.jsonl",
+        help="texts ({'text': ...} per line; the first 256 are read) the routers are balanced and "
+        "their start load measured on (default: the --trim-vocab corpus, else sentences of "
+        "Python's own documentation)",
+    )
+    p.add_argument(
+        "--no-router-balance",
+        action="store_true",
+        help="keep the raw router start (by default every router but loss_free has the shared "
+        "component of its layer's inputs removed, so the experts start evenly loaded)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -123,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     order = check_inputs(args)
     tokenizer_from = _tokenizer_source(args.src)
-    if tokenizer_from is None and (args.trim_vocab or args.causal):
-        raise ValueError(f"--trim-vocab / --causal need the tokenizer of {args.src}, and it has none")
+    if tokenizer_from is None and (args.trim_vocab or args.calibrate):
+        raise ValueError(f"--trim-vocab / --calibrate need the tokenizer of {args.src}, and it has none")
     tokenizer = None
     if tokenizer_from is not None:  # loaded (and checked) before the model
         from transformers import AutoTokenizer
@@ -134,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
         from moee.moe.vocab import check_trimmable
 
         check_trimmable(tokenizer)
+    calibration = mask = None
+    texts = _calibration_texts(args.calibrate or args.trim_vocab)
+    if texts:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+        calibration, mask = enc["input_ids"], enc["attention_mask"]
     model = upcycle(
         args.src,
         n_experts=args.experts,
@@ -151,8 +176,12 @@ def run(args: argparse.Namespace) -> int:
         router_type=args.router,
         router_bias_gamma=args.router_bias_gamma,
         router_options=router_options(args.router_option),
+        balance_router=False if args.no_router_balance else None,
+        calibration=calibration,
+        calibration_mask=mask,
+        tokenizer=tokenizer,
     )
-    if args.trim_vocab or args.causal:
+    if tokenizer is not None and (args.trim_vocab or args.causal):
         tokenizer = _adapt_tokenizer(model, tokenizer, args)
     out = save_upcycled(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite)
     cfg = model.config
@@ -162,7 +191,30 @@ def run(args: argparse.Namespace) -> int:
         f"expert width {cfg.expert_intermediate_size}, shared width {cfg.shared_intermediate_size}, "
         f"router {cfg.router_init}/{cfg.router_type}, vocabulary {model.get_input_embeddings().weight.shape[0]})"
     )
+    if tokenizer is None:
+        print(
+            f"note: {args.src} has no tokenizer, so {out} has none either: save the tokenizer there yourself"
+        )
+    report = model.router_load_report
+    print(
+        f"router start load per layer on the calibration sample (max/mean, ceiling "
+        f"{report[0]['ceiling']:.2f} = experts / top-k; dead experts):"
+    )
+    for layer in report:
+        flag = "  COLLAPSED" if layer["collapsed"] else ""
+        print(f"  layer {layer['layer']}: max/mean {layer['max_over_mean']:.2f}, {layer['dead']} dead{flag}")
     return 0
+
+
+def _calibration_texts(corpus: str | None, n: int = 256) -> list[str] | None:
+    """The first ``n`` texts of ``corpus`` (checked by `check_inputs`), or None."""
+    if corpus is None:
+        return None
+    from itertools import islice
+
+    from moee.io import iter_jsonl
+
+    return [row["text"] for _, row in islice(iter_jsonl(corpus), n)]
 
 
 def check_inputs(args: argparse.Namespace) -> list[int] | None:
@@ -171,7 +223,7 @@ def check_inputs(args: argparse.Namespace) -> list[int] | None:
     through once: every line a JSON object with a string ``text``). Returns the layer order."""
     import math
 
-    from moee.io import check_input_file, check_output_folder, iter_jsonl
+    from moee.io import check_output_folder
 
     order = None
     if args.layer_order is not None:
@@ -203,17 +255,26 @@ def check_inputs(args: argparse.Namespace) -> list[int] | None:
         raise ValueError(f"--shared-neurons must be >= 0, got {args.shared_neurons}")
     router_options(args.router_option)
     if args.trim_vocab:
-        corpus = check_input_file(args.trim_vocab, "--trim-vocab corpus")
-        n = 0
-        for line, row in iter_jsonl(corpus):
-            if not isinstance(row.get("text"), str):
-                raise ValueError(f"{corpus}:{line}: needs a string 'text' field")
-            n += 1
-        if n == 0:
-            raise ValueError(f"--trim-vocab corpus {corpus} holds no texts")
+        _check_corpus(args.trim_vocab, "--trim-vocab corpus")
     elif args.min_count != 1:
         raise ValueError("--min-count applies to --trim-vocab only")
+    if args.calibrate:
+        _check_corpus(args.calibrate, "--calibrate corpus")
     return order
+
+
+def _check_corpus(path: str, what: str) -> None:
+    """Read ``path`` through once: every line a JSON object with a string ``text``, at least one."""
+    from moee.io import check_input_file, iter_jsonl
+
+    corpus = check_input_file(path, what)
+    n = 0
+    for line, row in iter_jsonl(corpus):
+        if not isinstance(row.get("text"), str):
+            raise ValueError(f"{corpus}:{line}: needs a string 'text' field")
+        n += 1
+    if n == 0:
+        raise ValueError(f"{what} {corpus} holds no texts")
 
 
 def _tokenizer_source(src: str) -> str | None:
@@ -248,7 +309,8 @@ def router_options(pairs: list[str]) -> dict:
 
 def _adapt_tokenizer(model, tokenizer, args: argparse.Namespace):
     """The tokenizer to save: trimmed to ``--trim-vocab``'s tokens (the model's embeddings too) and,
-    for an encoder made causal, with a BOS-only template."""
+    for an encoder made causal, with a BOS-only template (any fast tokenizer: WordPiece for BERT,
+    byte-level BPE for RoBERTa; only trimming needs a WordPiece / WordLevel vocabulary)."""
     import numpy as np
 
     from moee.io import iter_jsonl

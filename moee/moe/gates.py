@@ -283,6 +283,8 @@ class NoisyTopKGate(nn.Module):
         importance = probs.sum(0)
         load = load_terms.sum(0)
         aux = balance_aux(importance, load, self.w_importance, self.w_load)
+        if add_noise:  # what the noise-free (eval, inference) routing would pick: training reports its load
+            aux["clean_indices"] = clean.detach().topk(self.k, dim=-1).indices
         return GateOutput(weights=weights, indices=indices, probs=probs, logits=clean, aux=aux)
 
     def extra_repr(self) -> str:

@@ -220,6 +220,12 @@ def _cv(v: torch.Tensor) -> torch.Tensor:
     return torch.where(mean > 0, v.std(unbiased=False) / mean.clamp_min(1e-12), torch.zeros_like(mean))
 
 
+#: a layer whose heaviest expert takes more than this many times the mean load is collapsed
+#: (reported by `moee upcycle` and the trainer; the ceiling, every token on the same experts, is
+#: experts / top-k)
+COLLAPSE_MAX_OVER_MEAN = 2.0
+
+
 def balance_stats(importance: torch.Tensor, load: torch.Tensor) -> dict[str, torch.Tensor]:
     """CV(importance), CV(load) and max/mean load: Shazeer et al. (2017), Table 6 (0 when empty)."""
     mean_load = load.mean()
@@ -238,6 +244,7 @@ def routing_stats(
     n_experts: int,
     token_mask: torch.Tensor | None = None,
     slot_mask: torch.Tensor | None = None,
+    clean_indices: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Balance statistics of one routing decision (detached).
 
@@ -247,6 +254,11 @@ def routing_stats(
     columns of Shazeer et al. (2017), Table 6. ``dropped_tokens`` counts the tokens left with no
     real slot at all, so only their residual passes (Switch capacity overflow, or a token no
     expert chose); ``tokens`` is the number of rows counted (``token_mask`` drops padding).
+
+    ``clean_indices [N, k]``: the experts the gate would pick without its training noise. A
+    noisy gate spreads its training-time picks however collapsed its logits are, so the load of
+    that noise-free decision (``clean_load``, ``clean_cv_load``, ``clean_max_over_mean_load``) is
+    what matches the load of evaluation and inference (`noise_free_balance`).
     """
     with torch.no_grad():
         n_rows = indices.shape[0]
@@ -257,13 +269,31 @@ def routing_stats(
             n_rows = int(keep.sum())
         importance = probs.float().sum(0)
         load = torch.bincount(indices[slot_mask], minlength=n_experts).float()
-        return {
+        stats = {
             "importance": importance,
             "load": load,
             **balance_stats(importance, load),
             "dropped_tokens": (~slot_mask.any(1)).sum().float(),
             "tokens": torch.tensor(float(n_rows)),
         }
+        if clean_indices is not None:
+            if token_mask is not None:
+                clean_indices = clean_indices[token_mask.reshape(-1).bool()]
+            clean = torch.bincount(clean_indices.reshape(-1), minlength=n_experts).float()
+            clean_stats = balance_stats(importance, clean)
+            stats["clean_load"] = clean
+            stats["clean_cv_load"] = clean_stats["cv_load"]
+            stats["clean_max_over_mean_load"] = clean_stats["max_over_mean_load"]
+        return stats
+
+
+def noise_free_balance(aux: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
+    """``(load [E], cv_load, max_over_mean_load)`` of the noise-free routing decision of one
+    layer's `routing_stats`: the ``clean_*`` figures when the gate added training noise, else
+    the actual ones (the same statistic in training and evaluation)."""
+    if "clean_load" in aux:
+        return aux["clean_load"], float(aux["clean_cv_load"]), float(aux["clean_max_over_mean_load"])
+    return aux["load"], float(aux["cv_load"]), float(aux["max_over_mean_load"])
 
 
 class MoELayer(nn.Module):
@@ -320,7 +350,14 @@ class MoELayer(nn.Module):
         y = self.experts(flat, weights, indices, gate_out.mask)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        aux = routing_stats(gate_out.probs, indices, self.n_experts, token_mask, gate_out.mask)
+        aux = routing_stats(
+            gate_out.probs,
+            indices,
+            self.n_experts,
+            token_mask,
+            gate_out.mask,
+            gate_out.aux.get("clean_indices"),
+        )
         loss = gate_out.aux.get("loss")
         aux["loss"] = loss if loss is not None else flat.new_zeros(())
         if "load" in gate_out.aux:

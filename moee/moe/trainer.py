@@ -75,7 +75,7 @@ from moee.moe.checkpoint import (
     save_checkpoint,
     sha256_file,
 )
-from moee.moe.layer import balance_stats
+from moee.moe.layer import COLLAPSE_MAX_OVER_MEAN, balance_stats, noise_free_balance
 
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -202,6 +202,50 @@ def load_config(source: str | os.PathLike | dict) -> dict:
     if cfg["schedule"]["warmup_steps"] < 0 or not 0 <= cfg["schedule"]["min_lr_ratio"] <= 1:
         raise ValueError(f"{origin}: schedule.warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
     return cfg
+
+
+#: where the repository's own inputs come from: a missing one names the script that builds it
+INPUT_PRODUCERS: dict[str, str] = {
+    "build/upcycled-minilm": "scripts/train_default_model.sh (its first step, moee upcycle, builds it)",
+    "build/corpus": "scripts/build_corpus.py",
+}
+
+
+def _looks_local(value: str) -> bool:
+    """Whether a model or tokenizer source names a local path rather than a hub ``owner/name``:
+    absolute or ``./``-relative, more than one ``/``, or under ``build/``."""
+    return (
+        os.path.isabs(value)
+        or value.startswith((".", "~"))
+        or value.count("/") != 1
+        or value.split("/", 1)[0] == "build"
+    )
+
+
+def check_inputs(cfg: dict) -> None:
+    """Every input path of ``cfg`` (``init.from``, ``data.train``, ``data.heldout``,
+    ``data.tokenizer``) exists, checked before any work starts; one error lists all that are
+    missing, each with the script that builds it (`INPUT_PRODUCERS`). A model or tokenizer source
+    that reads as a hub name (``owner/name``) is left to the loader."""
+    missing = []
+    for key, value, always_local in (
+        ("init.from", cfg["init"]["from"], False),
+        ("data.train", cfg["data"]["train"], True),
+        ("data.heldout", cfg["data"]["heldout"], True),
+        ("data.tokenizer", cfg["data"]["tokenizer"], False),
+    ):
+        if value is None or Path(value).expanduser().exists():
+            continue
+        if not always_local and not _looks_local(str(value)):
+            continue
+        norm = Path(value).as_posix()
+        producer = next((s for prefix, s in INPUT_PRODUCERS.items() if norm.startswith(prefix)), None)
+        hint = f" (built by {producer})" if producer else ""
+        missing.append(f"{key} {value}{hint}")
+    if missing:
+        raise FileNotFoundError(
+            f"missing input(s), relative to {os.getcwd()}: " + "; ".join(missing) + "; build them first"
+        )
 
 
 def _check_model_section(model: Any, origin: str) -> None:
@@ -363,8 +407,10 @@ def unigram_cross_entropy(train_tokens: np.ndarray, eval_tokens: torch.Tensor, v
 def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> dict:
     """Held-out LM loss/perplexity and per-layer load statistics in eval mode (no gate noise).
 
-    Load is the count of top-k selections per expert over all held-out tokens; CV uses the
-    population std; max/mean is the heaviest expert's load over the mean load.
+    Load is the count of top-k selections per expert over all held-out tokens (the noise-free
+    decision, `moee.moe.layer.noise_free_balance`, the statistic training logs per batch too);
+    CV uses the population std; max/mean is the heaviest expert's load over the mean load
+    (ceiling: experts / top-k); ``dead`` counts the experts no token selected.
     """
     was_training = model.training
     model.eval()
@@ -379,11 +425,11 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
         total_nll += out.lm_loss.item() * n
         total_tokens += n
         if loads is None:
-            loads = [a["load"].clone() for a in out.moe_aux]
+            loads = [noise_free_balance(a)[0].clone() for a in out.moe_aux]
             importance = [a["importance"].clone() for a in out.moe_aux]
         else:
             for i, a in enumerate(out.moe_aux):
-                loads[i] += a["load"]
+                loads[i] += noise_free_balance(a)[0]
                 importance[i] += a["importance"]
     model.train(was_training)
     loss = total_nll / total_tokens
@@ -395,6 +441,7 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
                 "cv_load": float(stats["cv_load"]),
                 "max_over_mean_load": float(stats["max_over_mean_load"]),
                 "cv_importance": float(stats["cv_importance"]),
+                "dead": int((load == 0).sum()),
                 "load": load.tolist(),
             }
         )
@@ -537,15 +584,46 @@ def _truncate_log(path: Path, step: int) -> list[dict]:
     return kept
 
 
-def _log_eval(log_path: Path, step: int, result: dict, bar: Any) -> dict:
-    """Append the held-out evaluation of ``step`` to the log and show it (on ``bar``, else stderr)."""
+def load_ceiling(model: torch.nn.Module) -> float:
+    """The largest max/mean load a layer can show: experts / top-k (every token on the same experts)."""
+    cfg = model.config
+    return cfg.num_experts / cfg.num_experts_per_tok
+
+
+def collapse_warning(where: str, layers: list[dict], ceiling: float) -> str | None:
+    """The warning for the layers (``max_over_mean_load``, ``dead``) that look collapsed:
+    max/mean above `moee.moe.layer.COLLAPSE_MAX_OVER_MEAN` or an expert no token selected."""
+    bad = [
+        f"layer {i}: max/mean {layer['max_over_mean_load']:.2f}, {layer['dead']} dead"
+        for i, layer in enumerate(layers)
+        if layer["max_over_mean_load"] > COLLAPSE_MAX_OVER_MEAN or layer["dead"]
+    ]
+    if not bad:
+        return None
+    return (
+        f"{where}: routing collapse in {len(bad)} of {len(layers)} layers ({'; '.join(bad)}; ceiling "
+        f"{ceiling:.2f} = experts / top-k): raise the balancing weights (router_w_load / "
+        "router_w_importance), lower optim.router_lr_scale, or use router_type loss_free"
+    )
+
+
+def _log_eval(log_path: Path, step: int, result: dict, bar: Any, ceiling: float) -> dict:
+    """Append the held-out evaluation of ``step`` to the log and show it (on ``bar``, else stderr),
+    with the max/mean ceiling and a `TrainerWarning` when a layer collapsed."""
     _append_log(log_path, {"kind": "eval", "step": step, **result})
     worst = max((layer["max_over_mean_load"] for layer in result["layers"]), default=0.0)
-    line = f"step {step}: held-out loss {result['loss']:.4f} ppl {result['ppl']:.2f} max/mean {worst:.2f}"
+    dead = sum(layer.get("dead", 0) for layer in result["layers"])
+    line = (
+        f"step {step}: held-out loss {result['loss']:.4f} ppl {result['ppl']:.2f} "
+        f"max/mean {worst:.2f} of ceiling {ceiling:.2f}, dead experts {dead}"
+    )
     if bar is not None:
         bar.write(line)
     else:
         print(line, file=sys.stderr)
+    message = collapse_warning(f"held-out evaluation at step {step}", result["layers"], ceiling)
+    if message:
+        warnings.warn(message, TrainerWarning, stacklevel=2)
     return result
 
 
@@ -698,6 +776,7 @@ def train(
     from transformers import AutoTokenizer
 
     cfg = load_config(config)
+    check_inputs(cfg)
     if cfg["threads"]:
         torch.set_num_threads(int(cfg["threads"]))
     data, optim_cfg, sched, ev, ck = (
@@ -757,6 +836,7 @@ def train(
 
     model = _build_model(cfg, tokenizer)
     model.train()
+    ceiling = load_ceiling(model)
     # Adam moves every router weight by ~lr per step whatever its gradient scale, which can make
     # all tokens pick the same experts faster than balancing reacts; router_lr_scale slows it.
     groups: dict[tuple[bool, bool], list] = {}
@@ -823,7 +903,7 @@ def train(
         elif heldout is not None and state.get("eval_due", step % ev["every"] == 0):
             # the run stopped between this checkpoint and the evaluation that follows it: run
             # that evaluation now, so the held-out history keeps every step
-            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), None)
+            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), None, ceiling)
     t_start = time.time()
     tokens_run = 0
     bar = tqdm(total=max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="train")
@@ -858,8 +938,11 @@ def train(
         position += bs
         tokens_run += bs * seq_len
         elapsed = time.time() - t_start
-        cv = [float(a["cv_load"]) for a in out.moe_aux]
-        mm = [float(a["max_over_mean_load"]) for a in out.moe_aux]
+        # the noise-free decision's load, the statistic evaluation reports (per batch here)
+        balance = [noise_free_balance(a) for a in out.moe_aux]
+        cv = [b[1] for b in balance]
+        mm = [b[2] for b in balance]
+        dead = [int((b[0] == 0).sum()) for b in balance]
         lm = out.lm_loss.item()
         record = {
             "kind": "train",
@@ -872,6 +955,7 @@ def train(
             "grad_norm": float(grad_norm),
             "cv_load_mean": sum(cv) / max(1, len(cv)),
             "max_over_mean_load_max": max(mm, default=0.0),
+            "dead_experts": sum(dead),
             "tokens_per_s": tokens_run / max(elapsed, 1e-9),
             "data_position": position,
         }
@@ -881,7 +965,8 @@ def train(
             loss=f"{lm:.3f}",
             ppl=f"{record['ppl']:.1f}",
             cv_load=f"{record['cv_load_mean']:.2f}",
-            max_mean=f"{record['max_over_mean_load_max']:.2f}",
+            max_mean=f"{record['max_over_mean_load_max']:.2f}/{ceiling:.2f}",
+            dead=record["dead_experts"],
             tok_s=f"{record['tokens_per_s']:.0f}",
         )
         if calibrate_at is not None and step == calibrate_at:
@@ -918,7 +1003,7 @@ def train(
             except NonFiniteCheckpointError as exc:
                 raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(out_dir)})") from exc
         if heldout is not None and (step % ev["every"] == 0 or done):
-            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), bar)
+            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), bar, ceiling)
         if timed_out and step < last_stop:
             stopped_early = True
             bar.write(f"stop_after_minutes reached at step {step}; checkpoint saved")

@@ -22,13 +22,15 @@ The result is a `moee.moe.upcycled.MoEEUpcycledForCausalLM` (decoders) or `MoEEU
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from moee.moe.gate_registry import RouterFields, gate_spec
+from moee.moe.gate_registry import RouterFields, gate_spec, load_router_weight
+from moee.moe.layer import COLLAPSE_MAX_OVER_MEAN
 from moee.moe.upcycled import (
     FAMILIES,
     MODES,
@@ -44,11 +46,16 @@ from moee.moe.upcycled import (
 )
 
 __all__ = [
+    "COLLAPSE_MAX_OVER_MEAN",
     "ROUTER_INITS",
     "SHARED_SELECTIONS",
+    "UpcycleWarning",
+    "balance_routers",
     "balanced_assign",
     "balanced_kmeans",
+    "calibration_texts",
     "select_shared_neurons",
+    "router_load_report",
     "split_neurons",
     "upcycle",
     "save_upcycled",
@@ -56,6 +63,10 @@ __all__ = [
 
 ROUTER_INITS = ("centroid", "random", "zero")
 SHARED_SELECTIONS = ("norm", "central")
+
+
+class UpcycleWarning(UserWarning):
+    """An upcycled model that builds but will train badly (e.g. a router that starts collapsed)."""
 
 
 def balanced_assign(dist: torch.Tensor, size: int) -> torch.Tensor:
@@ -200,6 +211,8 @@ def _load_dense(
         config.is_decoder = True
     auto = AutoModelForCausalLM if is_causal(config) else AutoModel
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    # weights the checkpoint lacks (an encoder's new LM head) are drawn from torch's global
+    # generator: upcycle() seeds it, so the same seed gives the same model
     return auto.from_pretrained(src, config=config, use_safetensors=True, **kwargs)
 
 
@@ -221,6 +234,10 @@ def upcycle(
     router_type: str = "noisy_top_k",
     router_bias_gamma: float = 1e-3,
     router_options: dict[str, Any] | None = None,
+    balance_router: bool | None = None,
+    calibration: torch.Tensor | None = None,
+    calibration_mask: torch.Tensor | None = None,
+    tokenizer: Any = None,
 ) -> MoEEUpcycledPreTrainedModel:
     """Build an MoE model from a dense checkpoint (a path / hub name, or a loaded model).
 
@@ -240,6 +257,22 @@ def upcycle(
     ``router_bias_gamma``); ``router_options`` sets its other ``router_*`` fields
     (`moee.moe.gate_registry.RouterFields`, e.g. ``{"router_n_groups": 4}`` for ``hierarchical``;
     a ``router_bias_gamma`` there wins over the argument).
+
+    Every random draw (k-means starts, a random router, weights the checkpoint lacks such as an
+    encoder's new LM head, the gates' own init) comes from ``seed``: the same call gives the same
+    model, and the caller's torch generator state is left as it was.
+
+    Routers start balanced: the FFN inputs of one layer share a large common component (the
+    LayerNorm bias, position terms), and a router row's projection on it decides the top-k for
+    almost every token (one expert with most of the load, dead experts). ``balance_router``
+    (default: every gate but ``loss_free``, whose selection bias balances it in training, see
+    `moee.moe.trainer.calibrate_router_biases`) removes that component from every router row,
+    layer by layer, measured on ``calibration`` (token ids ``[n, L]``, ``calibration_mask`` its
+    attention mask; default `calibration_texts` through ``tokenizer``, else seeded random ids:
+    `_calibration_sample`). The per-layer load
+    on the same sample is kept as ``model.router_load_report`` (`router_load_report`), and a
+    collapsed layer (max/mean load above `COLLAPSE_MAX_OVER_MEAN`, or a dead expert) raises an
+    `UpcycleWarning`.
     """
     gate_spec(router_type)  # an unknown name fails here, before the dense model loads
     known = [k for k in RouterFields.__dataclass_fields__ if k != "router_type"]
@@ -279,65 +312,239 @@ def upcycle(
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     _check_layer_order(layer_order, None)
 
-    dense_model = _load_dense(src, dtype, causal, layer_order)
-    text_config = dense_model.config
-    rule = family_rule(getattr(text_config, "model_type", None))
-    if layer_order is not None:
-        reorder_layers(dense_model, list(layer_order))
-    expected = MoEEUpcycledForCausalLM if is_causal(text_config) else MoEEUpcycledModel
-    layers = moe_layers(dense_model.base_model, rule)
-    ffns = [rule.read(layer) for layer in layers]
-    d_ff = ffns[0].d_ff
-    if mode == "split":
-        shared_width = shared_neurons
-        if not 0 <= shared_neurons < d_ff:
-            raise ValueError(f"shared_neurons must be in [0, d_ff={d_ff}), got {shared_neurons}")
-        if (d_ff - shared_neurons) % n_experts:
-            raise ValueError(
-                f"d_ff={d_ff} minus shared_neurons={shared_neurons} is not divisible by n_experts={n_experts}: "
-                "every expert must get the same number of neurons"
-            )
-        width = (d_ff - shared_neurons) // n_experts
-    else:
-        shared_width = d_ff if shared_copy else 0
-        width = d_ff
-
-    gen = torch.Generator().manual_seed(seed)
-    plans = []
-    for ffn in ffns:
+    # every random draw below comes from `seed`; the caller's generator state is restored after
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        dense_model = _load_dense(src, dtype, causal, layer_order)
+        text_config = dense_model.config
+        rule = family_rule(getattr(text_config, "model_type", None))
+        if layer_order is not None:
+            reorder_layers(dense_model, list(layer_order))
+        expected = MoEEUpcycledForCausalLM if is_causal(text_config) else MoEEUpcycledModel
+        layers = moe_layers(dense_model.base_model, rule)
+        ffns = [rule.read(layer) for layer in layers]
+        d_ff = ffns[0].d_ff
         if mode == "split":
-            shared = select_shared_neurons(ffn, shared_neurons, shared_select) if shared_neurons else None
-            groups, centroids = split_neurons(ffn, n_experts, shared, seed=seed)
+            shared_width = shared_neurons
+            if not 0 <= shared_neurons < d_ff:
+                raise ValueError(f"shared_neurons must be in [0, d_ff={d_ff}), got {shared_neurons}")
+            if (d_ff - shared_neurons) % n_experts:
+                raise ValueError(
+                    f"d_ff={d_ff} minus shared_neurons={shared_neurons} is not divisible by n_experts={n_experts}: "
+                    "every expert must get the same number of neurons"
+                )
+            width = (d_ff - shared_neurons) // n_experts
         else:
-            shared = torch.arange(d_ff) if shared_copy else None
-            groups, centroids = [torch.arange(d_ff)] * n_experts, None
-        if router_init == "centroid":
-            router = centroids
-        elif router_init == "random":
-            router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * router_std
-        else:
-            router = torch.zeros(n_experts, ffn.d_model)
-        # ffn holds (detached) references to the dense tensors: they outlive the replaced modules
-        plans.append((ffn, groups, shared, router))
+            shared_width = d_ff if shared_copy else 0
+            width = d_ff
 
-    name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
-    config = MoEEUpcycledConfig(
-        text_config=text_config,
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        upcycle_mode=mode,
-        expert_intermediate_size=width,
-        shared_intermediate_size=shared_width,
-        router_init=router_init,
-        router_type=router_type,
-        upcycled_from=str(name) if name else None,
-        **router_fields,
-    )
-    model = expected(config, dense=dense_model)
-    for moe, (ffn, groups, shared, router) in zip(model.moe_ffns(), plans, strict=True):
-        moe.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype)
-        moe.load_dense(ffn, groups, shared, router.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype))
-    return model.eval()
+        gen = torch.Generator().manual_seed(seed)
+        plans = []
+        for ffn in ffns:
+            if mode == "split":
+                shared = select_shared_neurons(ffn, shared_neurons, shared_select) if shared_neurons else None
+                groups, centroids = split_neurons(ffn, n_experts, shared, seed=seed)
+            else:
+                shared = torch.arange(d_ff) if shared_copy else None
+                groups, centroids = [torch.arange(d_ff)] * n_experts, None
+            if router_init == "centroid":
+                router = centroids
+            elif router_init == "random":
+                router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * router_std
+            else:
+                router = torch.zeros(n_experts, ffn.d_model)
+            # ffn holds (detached) references to the dense tensors: they outlive the replaced modules
+            plans.append((ffn, groups, shared, router))
+
+        name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
+        config = MoEEUpcycledConfig(
+            text_config=text_config,
+            num_experts=n_experts,
+            num_experts_per_tok=top_k,
+            upcycle_mode=mode,
+            expert_intermediate_size=width,
+            shared_intermediate_size=shared_width,
+            router_init=router_init,
+            router_type=router_type,
+            upcycled_from=str(name) if name else None,
+            **router_fields,
+        )
+        model = expected(config, dense=dense_model)
+        for moe, (ffn, groups, shared, router) in zip(model.moe_ffns(), plans, strict=True):
+            moe.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype)
+            moe.load_dense(ffn, groups, shared, router.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype))
+        model.eval()
+        if tokenizer is None and calibration is None and isinstance(src, (str, Path)):
+            tokenizer = _local_tokenizer(Path(src))
+        sample, mask = _calibration_sample(model, calibration, calibration_mask, seed, tokenizer)
+        if balance_router if balance_router is not None else router_type != "loss_free":
+            balance_routers(model, [plan[3] for plan in plans], sample, mask)
+        report = router_load_report(model, sample, mask)
+    model.router_load_report = report
+    collapsed = [
+        f"layer {r['layer']} (max/mean {r['max_over_mean']:.2f}, {r['dead']} dead)"
+        for r in report
+        if r["collapsed"]
+    ]
+    if collapsed:
+        warnings.warn(
+            f"the upcycled routers start collapsed in {len(collapsed)} of {len(report)} layers on the "
+            f"calibration sample: {'; '.join(collapsed)} (ceiling {report[0]['ceiling']:.2f} = experts / "
+            "top-k); training reinforces a collapse: keep the router balancing on, or use a loss_free router",
+            UpcycleWarning,
+            stacklevel=2,
+        )
+    return model
+
+
+class _Captured(Exception):
+    """Ends a calibration forward pass once the layer of interest has been seen."""
+
+
+def calibration_texts(n: int = 256) -> list[str]:
+    """``n`` English sentences from Python's own documentation (``pydoc_data``, part of every
+    CPython): a text sample that needs no download and is no evaluation data, for balancing and
+    measuring routers when the caller gives none."""
+    import re
+    from pydoc_data.topics import topics
+
+    prose = " ".join(" ".join(topics[k] for k in sorted(topics)).split())
+    sentences = (s.strip() for s in re.split(r"(?<=[.!?])\s+", prose))
+    return [s for s in sentences if 20 < len(s) < 200][:n]
+
+
+def _local_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in the local model folder ``folder``, or None (a hub name or a folder
+    without one: the calibration falls back to random ids)."""
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _calibration_sample(
+    model: MoEEUpcycledPreTrainedModel,
+    ids: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    seed: int,
+    tokenizer: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ids ``[n, L]`` and attention mask the routers are balanced and measured on:
+    ``ids`` as given; else `calibration_texts` through ``tokenizer`` (32 tokens at most); else,
+    without a tokenizer, 64 sequences of 32 vocabulary ids drawn with ``seed`` (a weaker sample:
+    random ids miss much of the common component real text shares)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if ids is None and tokenizer is not None:
+        enc = tokenizer(
+            calibration_texts(), padding=True, truncation=True, max_length=32, return_tensors="pt"
+        )
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+    if ids is None:
+        ids = torch.randint(0, vocab, (64, 32), generator=torch.Generator().manual_seed(seed))
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() != 2 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(
+            f"calibration must be token ids [n, L] in [0, {vocab}), got shape {tuple(ids.shape)}"
+        )
+    mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask, dtype=torch.long)
+    if mask.shape != ids.shape:
+        raise ValueError(f"calibration_mask must have the shape of calibration {tuple(ids.shape)}")
+    return ids, mask
+
+
+def _forward_base(model: MoEEUpcycledPreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """The base model's forward (no LM head: the routers are all that is read)."""
+    device = model.get_input_embeddings().weight.device
+    for start in range(0, len(ids), 16):
+        model.model.base_model(
+            input_ids=ids[start : start + 16].to(device), attention_mask=mask[start : start + 16].to(device)
+        )
+
+
+@torch.no_grad()
+def balance_routers(
+    model: MoEEUpcycledPreTrainedModel, weights: list[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """Start every router from ``weights[i]`` (``[E, d]``, a row per expert) minus the rows'
+    component along the mean FFN input of layer ``i`` on the sample ``ids``.
+
+    ``x . w_e = (x - m) . w_e + m . w_e``: the shared mean ``m`` adds a per-expert constant to
+    every token's score that is far larger than the token-specific part, so a raw centroid
+    router sends nearly every token to the same experts. With ``m . w_e = 0`` a token's top-k
+    depends on how it differs from the average token. Layers are balanced in order, each on the
+    inputs the already balanced layers below it produce.
+    """
+    flat_mask = mask.reshape(-1).bool()
+    for ffn, weight in zip(model.moe_ffns(), weights, strict=True):
+        seen: list[torch.Tensor] = []
+
+        def grab(_module, args, seen=seen):
+            seen.append(args[0].reshape(-1, args[0].shape[-1]).detach().double().cpu())
+            if sum(len(x) for x in seen) >= flat_mask.numel():
+                raise _Captured
+
+        handle = ffn.register_forward_pre_hook(grab)
+        try:
+            _forward_base(model, ids, mask)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        x = torch.cat(seen)[flat_mask]
+        m = x.mean(0)
+        w = weight.double().cpu()
+        w = w - torch.outer(w @ m, m) / m.dot(m).clamp_min(1e-30)
+        gate_weight = next(ffn.router.gate.parameters())
+        load_router_weight(ffn.router_type, ffn.router.gate, w.to(gate_weight.dtype).to(gate_weight.device))
+
+
+@torch.no_grad()
+def router_load_report(
+    model: MoEEUpcycledPreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None = None
+) -> list[dict[str, Any]]:
+    """Per MoE layer, the load on the sample ``ids`` (``mask``: its attention mask; padding is not
+    counted): ``load`` the fraction of all top-k selections each expert received,
+    ``max_over_mean`` the heaviest expert's load over the mean (1 is even; ``ceiling`` =
+    experts / top-k is every token on the same experts), ``dead`` the experts never selected,
+    ``collapsed`` whether max/mean exceeds `COLLAPSE_MAX_OVER_MEAN` or an expert is dead."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    flat_mask = mask.reshape(-1).bool()
+    ffns = model.moe_ffns()
+    picks: list[list[torch.Tensor]] = [[] for _ in ffns]
+    handles = []
+    for i, ffn in enumerate(ffns):
+
+        def grab(_module, _args, out, i=i):
+            indices, gate_out = out[2], out[3]
+            slot = gate_out.mask if getattr(gate_out, "mask", None) is not None else torch.ones_like(indices)
+            picks[i].append(torch.where(slot.bool(), indices, -1).detach().cpu())
+
+        handles.append(ffn.router.register_forward_hook(grab))
+    try:
+        _forward_base(model, ids, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    report = []
+    for i, (ffn, rows) in enumerate(zip(ffns, picks)):
+        n_experts, k = ffn.router.num_experts, ffn.router.top_k
+        chosen = torch.cat(rows)[flat_mask].reshape(-1)
+        counts = torch.bincount(chosen[chosen >= 0], minlength=n_experts).double()
+        share = counts / counts.sum().clamp_min(1)
+        max_over_mean = float(share.max() * n_experts) if counts.sum() > 0 else 0.0
+        dead = int((counts == 0).sum())
+        report.append(
+            {
+                "layer": i,
+                "load": [round(float(v), 4) for v in share],
+                "max_over_mean": max_over_mean,
+                "ceiling": n_experts / k,
+                "dead": dead,
+                "collapsed": max_over_mean > COLLAPSE_MAX_OVER_MEAN or dead > 0,
+            }
+        )
+    return report
 
 
 def save_upcycled(

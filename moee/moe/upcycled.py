@@ -395,7 +395,14 @@ class UpcycledMoEFFN(nn.Module):
         sink = _ROUTER_LOGITS.get()
         if sink is not None:
             sink.append(logits)
-        aux = routing_stats(gate_out.probs, indices, self.router.num_experts, None, gate_out.mask)
+        aux = routing_stats(
+            gate_out.probs,
+            indices,
+            self.router.num_experts,
+            None,
+            gate_out.mask,
+            gate_out.aux.get("clean_indices"),
+        )
         loss = gate_out.aux.get("loss")
         aux["loss"] = loss if loss is not None else x.new_zeros(())
         self.last_aux = aux

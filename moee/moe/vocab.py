@@ -8,10 +8,11 @@ every kept token has exactly the vector it had. Text whose words need a dropped 
 tokenised (WordPiece falls back to shorter pieces) as long as single characters are kept, which
 `keep_for_counts` guarantees.
 
-`causal_template` makes a BERT-style tokenizer behave like a causal LM's: one ``[CLS]`` (the BOS)
-before the text and nothing after it, so last-token pooling reads the text's own last token.
+`causal_template` makes a BERT-style tokenizer (WordPiece, or RoBERTa's byte-level BPE) behave
+like a causal LM's: one ``[CLS]`` / ``<s>`` (the BOS) before the text and nothing after it, so
+last-token pooling reads the text's own last token.
 
-Only WordPiece and WordLevel tokenizers are supported: their vocabulary is a plain token -> id
+Trimming supports only WordPiece and WordLevel tokenizers: their vocabulary is a plain token -> id
 table. BPE / Unigram models also hold merges or scores that would need rewriting.
 """
 
@@ -31,10 +32,16 @@ __all__ = ["causal_template", "check_trimmable", "keep_for_counts", "trim_vocabu
 _SUPPORTED = ("WordPiece", "WordLevel")
 
 
-def _spec(tokenizer: PreTrainedTokenizerFast) -> dict:
+def _fast_spec(tokenizer: PreTrainedTokenizerFast) -> dict:
+    """The tokenizers JSON of a fast tokenizer (any model type)."""
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise TypeError(f"a fast (tokenizers-backed) tokenizer is needed, got {type(tokenizer).__name__}")
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    return json.loads(tokenizer.backend_tokenizer.to_str())
+
+
+def _spec(tokenizer: PreTrainedTokenizerFast) -> dict:
+    """The tokenizers JSON of a trimmable tokenizer (a plain token -> id vocabulary)."""
+    spec = _fast_spec(tokenizer)
     kind = spec["model"]["type"]
     if kind not in _SUPPORTED:
         raise ValueError(f"vocabulary trimming supports {', '.join(_SUPPORTED)} tokenizers, not {kind}")
@@ -131,16 +138,18 @@ def trim_vocabulary(
     return model, new_tokenizer, old_ids
 
 
-def causal_template(tokenizer: PreTrainedTokenizerFast, bos: str | None = None, eos: str | None = None):
-    """A copy of a BERT-style tokenizer that adds only ``bos`` (default its CLS token) before a text
+def causal_template(
+    tokenizer: PreTrainedTokenizerFast, bos: str | None = None, eos: str | None = None
+) -> PreTrainedTokenizerFast:
+    """A copy of a BERT- or RoBERTa-style fast tokenizer that adds only ``bos`` (default its CLS token) before a text
     and nothing after, with ``bos_token`` / ``eos_token`` set (default EOS: its SEP token), as a
     causal LM's tokenizer does. Documents in training are separated by the EOS token."""
-    spec = _spec(tokenizer)
+    spec = _fast_spec(tokenizer)  # the template is model-independent: WordPiece, BPE, ... alike
     bos = bos or tokenizer.cls_token
     eos = eos or tokenizer.sep_token
     if bos is None or eos is None:
         raise ValueError("the tokenizer has no CLS/SEP tokens: pass bos= and eos=")
-    vocab = spec["model"]["vocab"]
+    vocab = tokenizer.get_vocab()
     for token in (bos, eos):
         if token not in vocab:
             raise ValueError(f"{token!r} is not in the vocabulary")
