@@ -67,6 +67,7 @@ from moee.analysis.specialization.report import (
     model_top_k,
     read_corpus,
     routing_overlap,
+    same_tokenization,
     saturation_section,
     selection_scorers,
     write_report,
@@ -104,5 +105,6 @@ __all__ = [
     "checkpoint_step",
     "load_embedder",
     "saturation_section",
+    "same_tokenization",
     "compare_section",
 ]
