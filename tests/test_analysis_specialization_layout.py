@@ -115,7 +115,7 @@ def test_a_saturation_series_of_another_tokenizer_is_marked(tmp_path):
     """Checkpoints whose tokenizer differs from the model's: the section records it and the page
     says it; the same tokenizer gives no such note."""
     pytest.importorskip("torch")
-    from moee.analysis.specialization import saturation_section, same_tokenization
+    from moee.analysis.specialization import same_tokenization, saturation_section
     from moee.capture.tiny import tiny_model, tiny_tokenizer
     from moee.embed.embedder import MoEEmbedder
 
