@@ -18,7 +18,7 @@ from moee.analysis.specialization.sections.base import Draw, Results, Section, S
 from moee.analysis.specialization.statistics import _entropy, _mix64
 
 #: Bound on the memory of the sample of texts behind the domain baselines (bytes).
-DOMAIN_TEXT_BYTES = 1 << 25
+DOMAIN_TEXT_BYTES = 1 << 24
 
 #: At most this many texts in that sample, at least ``_MIN_TEXTS``.
 _MAX_TEXTS, _MIN_TEXTS = 1 << 16, 64
