@@ -24,6 +24,9 @@ tests_for() {
     moee/capture/recorder.py) echo "tests/test_capture_recorder.py" ;;
     moee/embed/recipes.py | moee/embed/reference.py) echo "tests/test_embed_recipes.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
+    moee/analysis/specialization/sections/coactivation.py | moee/analysis/specialization/sections/domains.py | \
+      moee/analysis/specialization/sections/repetition.py | moee/analysis/specialization/sections/token_specialization.py)
+      echo "tests/test_analysis_specialization_nulls.py" ;;
     moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;
     *) return 1 ;;
   esac
