@@ -4,7 +4,7 @@ import numpy as np
 
 from moee.analysis.specialization.statistics import _RouteSample
 
-BUFFERS = ("priority", "text", "pos", "sel")
+BUFFERS = ("priority", "text", "pos", "sel", "tok")
 
 
 def _texts(n, seed=3, max_len=30, n_experts=8):

@@ -170,7 +170,7 @@ POSITIONS = Section(
     render=_positions_render,
     tally=_Positions,
     baseline=_positions_baseline,
-    draw_order=6,
+    draw_order=7,
     null="positions shuffled against routes (exact: the corpus mean position)",
 )
 

@@ -141,13 +141,21 @@ def test_domain_jsd_known_values():
     assert _generalized_jsd(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([1, 3])) == pytest.approx(
         -(w * np.log(w)).sum()
     )
+    # ten texts a domain (the null deals whole texts out to the domains; with one text each, any
+    # dealing would give log 2 again)
     acc = SpecializationAccumulator(1, 2, 1, permutations=50)
-    acc.update(np.arange(20), one_hot(np.zeros((20, 1), int), 2), text_index=0, domain="a")
-    acc.update(np.arange(20), one_hot(np.ones((20, 1), int), 2), text_index=1, domain="b")
+    for i in range(10):
+        acc.update(np.arange(20), one_hot(np.zeros((20, 1), int), 2), text_index=2 * i, domain="a")
+        acc.update(np.arange(20), one_hot(np.ones((20, 1), int), 2), text_index=2 * i + 1, domain="b")
     doms = acc.result(decode, min_token_count=1)["domains"]
     row = doms["specialization_by_layer"][0]
     assert doms["names"] == ["a", "b"]
     assert row["jsd"] == pytest.approx(np.log(2)) and row["jsd_baseline"] < 0.1
+    acc = SpecializationAccumulator(1, 2, 1, permutations=5)
+    acc.update(np.arange(20), one_hot(np.zeros((20, 1), int), 2), text_index=0, domain="a")
+    acc.update(np.arange(20), one_hot(np.ones((20, 1), int), 2), text_index=1, domain="b")
+    row = acc.result(decode, min_token_count=1)["domains"]["specialization_by_layer"][0]
+    assert row["jsd"] == pytest.approx(np.log(2)) and row["jsd_baseline"] == pytest.approx(np.log(2))
 
 
 def test_coactivation_independent_baseline_matches_uniform_reference_on_equal_loads():
@@ -333,7 +341,7 @@ def test_streaming_state_does_not_grow_with_the_corpus():
     # what it reports holding: every array counted once (tables, sample buffers, contexts, ...)
     held = sum(v for k, v in small.items() if k not in ("state_bytes", "sample"))
     sample = SpecializationAccumulator(2, 4, 2, baseline_sample=64)._sample
-    held += sum(getattr(sample, n).nbytes for n in ("priority", "text", "pos", "sel"))
+    held += sum(getattr(sample, n).nbytes for n in ("priority", "text", "pos", "sel", "tok"))
     assert small["state_bytes"] == held
 
 

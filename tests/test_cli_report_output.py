@@ -76,7 +76,7 @@ def test_a_kill_while_writing_never_pairs_a_new_json_with_the_old_html(
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     real = report_mod.render_html
 
-    def killed_writing_the_page(report):
+    def killed_writing_the_page(report, **options):
         killed_writing_the_page.calls += 1
         raise KeyboardInterrupt  # the page of the new report is never written
 
@@ -115,7 +115,7 @@ def test_write_report_writes_both_files_in_one_commit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(moee.io, "commit_folder", spy)
     report = {s.id: {} for s in report_mod.registry.SECTIONS}
-    monkeypatch.setattr(report_mod, "render_html", lambda report: "<html></html>")
+    monkeypatch.setattr(report_mod, "render_html", lambda report, **options: "<html></html>")
     paths = report_mod.write_report(report, tmp_path / "rep")
     assert seen == [["report.html", "report.json"]] and paths["html"].read_text() == "<html></html>"
     (tmp_path / "other").mkdir()

@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.overlap_tokens,
             batch_size=args.batch_size,
             progress=True,
+            model_tokenizer=tokenizer,
+            model_name=args.model,
         )
         if embedder is None:
             embedder = load(saturation["final"])
@@ -194,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
         "corpus": str(args.corpus),
         "domain_field": args.domain_field,
     }
+    if saturation is not None:  # which checkpoint series the saturation section describes
+        report["meta"]["saturation_source"] = {
+            "final": saturation["final"],
+            "same_tokenization_as_model": saturation["tokenization"]["same_as_model"],
+        }
     if args.compare is not None:
         other = load(args.compare)
         report_b = build_report(other, corpus(), **settings)
@@ -209,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         report["compare"] = compare_section(
             report, report_b, overlap, [report["summary"]["model"], args.compare]
         )
-    paths = write_report(report, args.out, overwrite=args.overwrite)
+    paths = write_report(report, args.out, overwrite=args.overwrite, progress=True)
     s = report["summary"]
     print(
         f"{s['n_texts']} texts, {s['n_tokens']} tokens, k={s['top_k']} ({s['top_k_source']}): "

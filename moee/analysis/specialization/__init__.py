@@ -32,7 +32,11 @@ expert ``E``, k = the model's top-k:
   layers are unrelated, so raw id equality would be meaningless).
 
 Baselines (``SpecializationAccumulator.baselines``): each statistic recomputed with the routes
-shuffled against what it relates them to (tokens, domains, positions, the other layer), seeded.
+shuffled against what it relates them to (tokens, domains, positions, the other layer), seeded,
+keeping what the statistic conditions on: token statistics draw only the routes of the tokens they
+count, the domain labels are dealt out to whole texts, repetition shuffles within each text, and
+co-activation takes its maximum over pairs on a null sample of as many tokens with every expert's
+load and k distinct experts a token (docs/SPECIALIZATION.md lists each null).
 Closed forms such as ``k / E`` or ``1 / E`` are not baselines of these statistics: a maximum over
 experts of a few counts is far above ``k / E`` by chance alone, and a finite-sample NMI or
 best matching is above ``1 / E``.
@@ -67,6 +71,7 @@ from moee.analysis.specialization.report import (
     model_top_k,
     read_corpus,
     routing_overlap,
+    same_tokenization,
     saturation_section,
     selection_scorers,
     write_report,
@@ -104,5 +109,6 @@ __all__ = [
     "checkpoint_step",
     "load_embedder",
     "saturation_section",
+    "same_tokenization",
     "compare_section",
 ]

@@ -182,7 +182,11 @@ class SpecializationAccumulator:
         ):
             if tokens is not None and tokens.size:
                 self._types.add(key, tokens, routes)
-        self._sample.add(text_index, np.asarray(sel))
+        tokens = np.full((T, len(TOKEN_KEYS)), -1, dtype=np.int64)
+        tokens[:, 0], tokens[:-1, 1] = ids, ids[1:]  # input, next (TOKEN_KEYS order)
+        if predicted is not None:
+            tokens[:, 2] = predicted
+        self._sample.add(text_index, np.asarray(sel), tokens)
 
     def selection(
         self, probs: np.ndarray, rank: np.ndarray, selected: np.ndarray | None = None
@@ -229,7 +233,7 @@ class SpecializationAccumulator:
                 arrays += [v for v in values if isinstance(v, np.ndarray)]
         arrays += [*tables.counts.values(), *tables.occurrences.values()]
         arrays += [tables.type_ids, tables._sorted_ids, tables._sorted_rows]
-        arrays += [sample.priority, sample.text, sample.pos, sample.sel]
+        arrays += [sample.priority, sample.text, sample.pos, sample.sel, sample.tok]
         return int(sum(a.nbytes for a in arrays))
 
     # ------------------------------------------------------------------ results
@@ -269,7 +273,7 @@ class SpecializationAccumulator:
         order = sorted((s for s in registry.SECTIONS if s.baseline is not None), key=lambda s: s.draw_order)
         total = sum(s.baseline_steps(self) for s in order if s.baseline_steps is not None)
         with tqdm(total=total, desc="baselines", disable=not progress) as bar:
-            draw = Draw(self, rng, sample, options, drawn, lambda: bar.update(1))
+            draw = Draw(self, rng, sample, options, drawn, lambda: bar.update(1), self._sample.tokens())
             for section in order:
                 drawn[section.id] = section.baseline(draw)
         drawn["method"] = {
@@ -301,4 +305,12 @@ class SpecializationAccumulator:
         options = Options(n_top_tokens, min_token_count, n_coactivation_pairs, n_specialization_tokens)
         base = self.baselines(min_token_count, n_specialization_tokens, progress=progress)
         results = Results(self, decode, options, base, {s.id: s for s in registry.SECTIONS})
-        return {s.id: results[s.id] for s in registry.SECTIONS if s.result is not None}
+        from tqdm.auto import tqdm
+
+        computed = [s for s in registry.SECTIONS if s.result is not None]
+        out = {}
+        with tqdm(computed, desc="statistics", unit="section", disable=not progress) as bar:
+            for section in bar:
+                bar.set_postfix_str(section.id, refresh=True)
+                out[section.id] = results[section.id]
+        return out

@@ -27,7 +27,7 @@ from moee.analysis.specialization.markup import (
     _fmt,
     _grid,
     _nan,
-    _plt,
+    _subplots,
     _table,
     esc,
 )
@@ -60,7 +60,6 @@ def _compare(report: dict, page: Page) -> str | None:
     cmp = report.get("compare")
     if not cmp:
         return None
-    plt = _plt()
     a, b = (esc(str(x)) for x in cmp["labels"])
     parts = [f"<p class='lead'>A = {a}, B = {b}. Every other section shows A and B side by side.</p>"]
     diffs = (cmp.get("differences") or {}).get("by_layer") or []
@@ -93,7 +92,7 @@ def _compare(report: dict, page: Page) -> str | None:
     else:
         rows = so["by_layer"]
         rnd = so.get("random_baseline", {})
-        fig, ax = plt.subplots(figsize=(6, 3))
+        fig, ax = _subplots(figsize=(6, 3))
         xs = [r["layer"] for r in rows]
         for key, marker in (("top1", "o"), ("topk", "s")):
             line = ax.plot(xs, [r[key] for r in rows], marker=marker, label=key)[0]
@@ -160,21 +159,34 @@ def _document(title: str, heading: str, sections: list[tuple[Section, str]], dat
     )
 
 
+def _stages(sections: Sequence[Section], progress: bool):
+    """The sections in order, with a progress bar on stderr naming the one being drawn (its figures
+    take most of the page's time, seconds for a large model)."""
+    from tqdm.auto import tqdm
+
+    with tqdm(sections, desc="page", unit="section", disable=not progress) as bar:
+        for section in bar:
+            bar.set_postfix_str(section.id, refresh=True)
+            yield section
+
+
 def render_html(
     report: dict,
     *,
     expert_layers: Sequence[int] | None = None,
     token_view_max_values: int = TOKEN_VIEW_MAX_VALUES,
+    progress: bool = False,
 ) -> str:
     """A self-contained HTML page (no external files) for a report dict: every section of
     ``SECTIONS`` the report has, a table of contents and the token view when the report holds a
     token sample. A report with a ``compare`` block (``moee report --compare``) becomes the
-    comparison page: every section of model A and model B side by side, plus their differences."""
+    comparison page: every section of model A and model B side by side, plus their differences.
+    ``progress``: a progress bar per section on stderr."""
     if report.get("compare"):
-        return _compare_page(report, expert_layers, token_view_max_values)
+        return _compare_page(report, expert_layers, token_view_max_values, progress)
     page = Page(expert_layers=expert_layers, token_view_max_values=token_view_max_values)
     sections = []
-    for section in page_sections():
+    for section in _stages(page_sections(), progress):
         inner = _render_section(section, report, page)
         if inner is not None:
             sections.append((section, inner))
@@ -187,7 +199,9 @@ def render_html(
     )
 
 
-def _compare_page(report: dict, expert_layers: Sequence[int] | None, token_view_max_values: int) -> str:
+def _compare_page(
+    report: dict, expert_layers: Sequence[int] | None, token_view_max_values: int, progress: bool = False
+) -> str:
     cmp = report["compare"]
     labels = [str(x) for x in cmp.get("labels", ["A", "B"])]
     if len(labels) != 2 or not isinstance(cmp.get("b"), dict):
@@ -201,7 +215,7 @@ def _compare_page(report: dict, expert_layers: Sequence[int] | None, token_view_
         for i in range(2)
     ]
     sections = []
-    for section in page_sections():
+    for section in _stages(page_sections(), progress):
         inner = [_render_section(section, r, p) for r, p in zip(reports, pages)]
         if all(x is None for x in inner):
             continue

@@ -28,6 +28,7 @@ __all__ = [
     "_grid",
     "_nan",
     "_plt",
+    "_subplots",
     "_table",
     "_tok",
 ]
@@ -78,11 +79,16 @@ def _figure(fig, alt: str, caption: str = "") -> str:
     )
 
 
+def _subplots(*args, **kwargs):
+    """``plt.subplots`` with matplotlib's constrained layout: titles, tick labels and colorbars of
+    neighbouring axes are spaced so that none overlaps another (every figure of the page)."""
+    return _plt().subplots(*args, layout="constrained", **kwargs)
+
+
 def _grid(n: int, cols: int = 4, w: float = 3.2, h: float = 2.3):
-    plt = _plt()
     cols = max(1, min(cols, n))
     rows = int(np.ceil(n / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False)
+    fig, axes = _subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False)
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     return fig, axes.ravel()[:n]
@@ -117,8 +123,7 @@ def _baseline_plot(
     xs: Sequence[int], series: dict[str, tuple[Sequence, Sequence]], alt: str, caption: str
 ) -> str:
     """One line per statistic over MoE layers with its baseline dashed in the same colour."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 3))
+    fig, ax = _subplots(figsize=(5.5, 3))
     for name, (values, baseline) in series.items():
         line = ax.plot(xs, _nan(values), marker="o", label=name)[0]
         ax.plot(xs, _nan(baseline), linestyle="--", color=line.get_color(), label=f"{name}: permutation")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import logging
 import re
@@ -46,6 +47,7 @@ __all__ = [
     "checkpoint_step",
     "load_embedder",
     "saturation_section",
+    "same_tokenization",
     "compare_section",
 ]
 
@@ -618,6 +620,18 @@ def load_embedder(spec: str, options=None, *, tokenizer=None):
     return MoEEmbedder(loaded.model, loaded.tokenizer, name_or_path=spec)
 
 
+#: Texts on which the saturation checkpoints' tokenizer is compared with the model's.
+TOKENIZATION_CHECK_TEXTS = 64
+
+
+def same_tokenization(tokenizer_a, tokenizer_b, texts: Sequence[str]) -> bool:
+    """Whether two tokenizers give the same token ids for every one of ``texts`` (the same tokenizer
+    object trivially does)."""
+    if tokenizer_a is tokenizer_b:
+        return True
+    return all(tokenizer_a(t)["input_ids"] == tokenizer_b(t)["input_ids"] for t in texts)
+
+
 def saturation_section(
     checkpoints: Sequence[str],
     corpus: Iterable[tuple[str, str | None]] | Iterable[str],
@@ -627,12 +641,17 @@ def saturation_section(
     max_tokens: int = 65536,
     batch_size: int = 16,
     progress: bool = True,
+    model_tokenizer=None,
+    model_name: str | None = None,
 ) -> dict:
     """Router saturation over training (OLMoE paper, section 5): per layer, the overlap of each
     checkpoint's top-1 / top-k selection with the final checkpoint's on the same tokens.
 
     ``checkpoints`` are sorted by training step where every step is known (else taken as given);
-    the last is the final one; ``fraction_of_training`` = step / final step."""
+    the last is the final one; ``fraction_of_training`` = step / final step. ``model_tokenizer``
+    (the tokenizer of the model the report describes, ``model_name``) is checked against the final
+    checkpoint's on the first texts: ``tokenization.same_as_model`` says whether the checkpoints
+    tokenise the corpus as that model does (if not, they are another model's series)."""
     if len(checkpoints) < 2:
         raise ValueError(f"--checkpoints needs at least two checkpoints, got {len(checkpoints)}")
     steps = [checkpoint_step(c) for c in checkpoints]
@@ -642,10 +661,18 @@ def saturation_section(
     names = [checkpoints[i] for i in order]
     steps = [steps[i] for i in order]
     final = names[-1]
+    loaded = {}
+
+    def load_final():
+        loaded["final"] = load(final)
+        return loaded["final"]
+
+    records = _records(corpus, None)
+    head = list(itertools.islice(records, TOKENIZATION_CHECK_TEXTS))
     results = routing_overlap(
-        lambda: load(final),
+        load_final,
         [lambda c=c: load(c) for c in names[:-1]],
-        corpus,
+        itertools.chain(head, records),
         top_k=top_k,
         max_tokens=max_tokens,
         batch_size=batch_size,
@@ -665,10 +692,26 @@ def saturation_section(
     per = [*results, own]
     final_step = steps[-1]
     E = results[0]["n_experts"]
+    if model_tokenizer is None:
+        tokenization = {
+            "same_as_model": True,
+            "model": model_name,
+            "reason": "the final checkpoint is the model",
+        }
+    else:
+        same = same_tokenization(loaded["final"].tokenizer, model_tokenizer, [t for t, _ in head])
+        tokenization = {
+            "same_as_model": same,
+            "model": model_name,
+            "reason": None
+            if same
+            else f"the checkpoints tokenise the first {len(head)} texts differently from {model_name}",
+        }
     return {
         "available": True,
         "reason": None,
         "final": final,
+        "tokenization": tokenization,
         "n_texts": results[0]["n_texts"],
         "n_tokens": results[0]["n_tokens"],
         "checkpoints": [
@@ -781,15 +824,20 @@ def check_report_folder(out_dir: str | Path, *, overwrite: bool) -> Path:
     return check_output_folder(out, overwrite=overwrite, what="report folder")
 
 
-def write_report(report: dict, out_dir: str | Path, *, overwrite: bool = True) -> dict[str, Path]:
+def write_report(
+    report: dict, out_dir: str | Path, *, overwrite: bool = True, progress: bool = False
+) -> dict[str, Path]:
     """Write ``report.json`` and the self-contained ``report.html`` as the folder ``out_dir``.
 
     Both files go to a unique hidden folder beside ``out_dir`` that replaces it by rename once
     complete (`moee.io.StagedFolder`): a run killed midway leaves no ``out_dir`` with a new
     ``report.json`` beside an old ``report.html``, and a reader never sees half a file. An existing
     report folder is replaced (``overwrite=False``: refused); a folder that holds anything other
-    than a report is refused, so nothing else is ever deleted.
+    than a report is refused, so nothing else is ever deleted. ``progress``: the page's sections
+    and the writing reported on stderr.
     """
+    import sys
+
     from moee.io import StagedFolder
 
     out = check_report_folder(out_dir, overwrite=overwrite)
@@ -799,7 +847,9 @@ def write_report(report: dict, out_dir: str | Path, *, overwrite: bool = True) -
         raise ValueError(f"report is missing sections: {missing}")
     # the sections in registry order, then anything else the report carries (``compare``)
     report = {**{s: report[s] for s in ids}, **report}
-    html = render_html(report)  # before anything is written: a page that fails leaves nothing
+    html = render_html(report, progress=progress)  # before anything is written: a failing page leaves nothing
+    if progress:
+        print(f"writing {out / 'report.json'} and {out / 'report.html'}", file=sys.stderr, flush=True)
     with StagedFolder(out) as staging:
         # compact: the token view and the per-expert tables are long lists that indentation would
         # spread over one line per number (several times the size)

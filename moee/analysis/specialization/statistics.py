@@ -107,6 +107,12 @@ class _TokenTables:
         keep = occ >= max(1, int(min_count))
         return order[keep], occ[keep]
 
+    def counted_ids(self, key: str, min_count: int = 1) -> np.ndarray:
+        """The token ids (ascending) of the types of ``key`` seen at least ``min_count`` times:
+        the tokens a statistic over ``view(key, min_count)`` counts, and so the only ones its
+        permutation baseline may draw routes from."""
+        return self.type_ids[self._rows_by_id(key, min_count)[0]]
+
     def sizes(self, key: str, min_count: int = 1) -> np.ndarray:
         """``N_t`` of ``view`` alone, without copying the counts."""
         return self._rows_by_id(key, min_count)[1]
@@ -146,7 +152,9 @@ BASELINE_SAMPLE_BYTES = 1 << 26
 
 class _RouteSample:
     """A uniform sample of at most ``capacity`` token routes (top-k sets ``[L, k]``) for the
-    permutation baselines, independent of the order in which texts arrive.
+    permutation baselines, independent of the order in which texts arrive, each with the token it
+    is attributed to under every ``TOKEN_KEYS`` key (``-1``: none), so a baseline can draw from
+    the tokens its statistic counts only.
 
     Every token gets a fixed pseudo-random priority from (seed, text index, position) and the
     sample keeps the ``capacity`` smallest (bottom-k sampling), so memory is bounded and the same
@@ -169,11 +177,15 @@ class _RouteSample:
         self.text = np.zeros(self.size, dtype=np.int64)
         self.pos = np.zeros(self.size, dtype=np.int64)
         self.sel = np.zeros((self.size, n_layers, top_k), dtype=dtype)
+        self.tok = np.full((self.size, len(TOKEN_KEYS)), -1, dtype=np.int64)
         self.n = 0  # rows filled
         self._threshold: np.uint64 | None = None  # largest priority kept once the sample is full
 
-    def add(self, text_index: int, sel: np.ndarray) -> None:
+    def add(self, text_index: int, sel: np.ndarray, tokens: np.ndarray | None = None) -> None:
+        """Offer one text's routes ``sel [T, L, k]`` and their tokens ``tokens [T, len(TOKEN_KEYS)]``
+        (default: none, ``-1``)."""
         T = sel.shape[0]
+        tok = np.full((T, len(TOKEN_KEYS)), -1, dtype=np.int64) if tokens is None else np.asarray(tokens)
         pos = np.arange(T, dtype=np.int64)
         with np.errstate(over="ignore"):
             salt = _mix64(
@@ -184,7 +196,7 @@ class _RouteSample:
             keep = priority < self._threshold
             if not keep.any():
                 return
-            priority, pos, sel = priority[keep], pos[keep], sel[keep]
+            priority, pos, sel, tok = priority[keep], pos[keep], sel[keep], tok[keep]
         done = 0
         while done < pos.size:
             if self.n == self.size:
@@ -195,24 +207,33 @@ class _RouteSample:
             self.text[a:b] = text_index
             self.pos[a:b] = pos[done : done + take]
             self.sel[a:b] = sel[done : done + take]
+            self.tok[a:b] = tok[done : done + take]
             self.n, done = b, done + take
 
     def compact(self) -> None:
         """Keep the ``capacity`` smallest priorities (in the buffers' front rows)."""
         if self.n > self.capacity:
             keep = np.argpartition(self.priority[: self.n], self.capacity - 1)[: self.capacity]
-            for name in ("priority", "text", "pos", "sel"):
+            for name in ("priority", "text", "pos", "sel", "tok"):
                 buf = getattr(self, name)
                 buf[: self.capacity] = buf[keep]
             self.n = self.capacity
         if self.n >= self.capacity:
             self._threshold = self.priority[: self.n].max()
 
-    def routes(self) -> np.ndarray:
-        """The sampled top-k sets ``[R, L, k]`` in corpus order (text, position)."""
+    def _order(self) -> np.ndarray:
         self.compact()
         n = self.n
-        return self.sel[:n][np.lexsort((self.pos[:n], self.text[:n]))]
+        return np.lexsort((self.pos[:n], self.text[:n]))
+
+    def routes(self) -> np.ndarray:
+        """The sampled top-k sets ``[R, L, k]`` in corpus order (text, position)."""
+        return self.sel[: self.n][self._order()]
+
+    def tokens(self) -> np.ndarray:
+        """The sampled routes' tokens ``[R, len(TOKEN_KEYS)]`` (``-1``: none), in the order of
+        ``routes``."""
+        return self.tok[: self.n][self._order()]
 
 
 def _group_blocks(ends: np.ndarray, max_groups: int, max_tokens: int) -> Iterator[tuple[int, int, int, int]]:

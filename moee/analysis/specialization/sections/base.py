@@ -110,7 +110,9 @@ class Options:
 class Draw:
     """What a section's baseline is drawn with: the one seeded generator (``rng``, shared by every
     section, drawn from in ``Section.draw_order``), the route sample ``sample [R, L, k]``, the
-    baselines drawn before it (``drawn``, by section id) and the progress bar (``step()``)."""
+    baselines drawn before it (``drawn``, by section id), the progress bar (``step()``) and the
+    sampled routes' tokens ``sample_tokens [R, len(TOKEN_KEYS)]`` (``-1``: none), by which a
+    baseline keeps to the tokens its statistic counts."""
 
     acc: Routed
     rng: np.random.Generator
@@ -118,6 +120,7 @@ class Draw:
     options: Options
     drawn: dict[str, Any]
     step: Callable[[], None]
+    sample_tokens: np.ndarray | None = None
 
 
 @dataclass

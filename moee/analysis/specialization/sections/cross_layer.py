@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _grid, _nan, _plt, _table
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _grid, _nan, _subplots, _table
 from moee.analysis.specialization.sections.base import Draw, Results, Section, Shape, TextRoutes
 
 
@@ -115,9 +115,8 @@ def _render(report: dict, page: Page) -> str:
     pairs = cl["pairs"]
     if not pairs:
         return "<p>One MoE layer only: no adjacent pairs.</p>"
-    plt = _plt()
     xs = [p["layers"][0] for p in pairs]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
+    fig, ax = _subplots(1, 2, figsize=(11, 3.2))
     for a, key, title in (
         (ax[0], "excess", "excess co-selection over independence"),
         (ax[1], "max_lift", "max lift C/X"),

@@ -4,9 +4,11 @@ highest router probability for it, like the expert contexts of Shazeer et al. 20
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _plt, _table, _tok, esc
+from moee.analysis.specialization.markup import Page, _figure, _subplots, _table, _tok, esc
 from moee.analysis.specialization.sections.base import Results, Section, Shape, TextRoutes
 
 
@@ -53,6 +55,28 @@ class _Contexts:
         self.best_ctx = np.take_along_axis(all_ctx, order[..., None], axis=0)
 
 
+def context_pieces(
+    decode: Callable[[Sequence[int]], str], left: list[int], token: int, right: list[int]
+) -> tuple[str, str, str]:
+    """A context window as the tokenizer writes it, cut into the text before the routed token, the
+    token and the text after: the window is decoded whole and cut where the decodings of its
+    prefixes end, so the spaces the tokenizer puts between tokens (WordPiece, SentencePiece's
+    leading marks, byte-level BPE) stay where they belong (the token's leading space goes with the
+    token). Where a prefix's decoding is no prefix of the whole (a character cut by a byte-level
+    token), the three parts are decoded apart and joined with the space a tokenizer that writes
+    words apart would put."""
+    whole = decode([*left, token, *right])
+    before = decode(left) if left else ""
+    through = decode([*left, token])
+    if through.startswith(before) and whole.startswith(through):
+        return before, through[len(before) :], whole[len(through) :]
+    parts = [before, decode([token]), decode(right) if right else ""]
+    for i in (1, 2):
+        if parts[i - 1] and parts[i] and not parts[i - 1][-1].isspace() and not parts[i][0].isspace():
+            parts[i] = " " + parts[i]
+    return parts[0], parts[1], parts[2]
+
+
 def _experts(acc, decode, n_top: int, min_count: int) -> list[list[dict]]:
     tally = acc.tallies["experts"]
     L, E, W = acc.n_layers, acc.n_experts, tally.context_window
@@ -86,13 +110,14 @@ def _experts(acc, decode, n_top: int, min_count: int) -> list[list[dict]]:
                 ctx = tally.best_ctx[m, layer, e]
                 left = [int(i) for i in ctx[:W] if i >= 0]
                 right = [int(i) for i in ctx[W + 1 :] if i >= 0]
+                before, token, after = context_pieces(decode, left, int(ctx[W]), right)
                 contexts.append(
                     {
                         "prob": float(tally.best_prob[m, layer, e]),
                         "text_index": int(tally.best_text[m, layer, e]),
-                        "left": decode(left) if left else "",
-                        "token": decode([int(ctx[W])]),
-                        "right": decode(right) if right else "",
+                        "left": before,
+                        "token": token,
+                        "right": after,
                     }
                 )
             row.append(
@@ -118,10 +143,9 @@ def _render(report: dict, page: Page) -> str:
     show = page.layers_to_show(L)
     parts = [
         f"<p class='lead'>Layers shown: {esc(str(show))} (every layer is in report.json). Contexts are "
-        "the positions with the highest router probability for the expert; the routed token is "
-        "highlighted.</p>"
+        "the positions with the highest router probability for the expert, as the tokenizer writes "
+        "them; the routed token is highlighted.</p>"
     ]
-    plt = _plt()
     conc = np.asarray(
         [
             [
@@ -132,7 +156,7 @@ def _render(report: dict, page: Page) -> str:
         ],
         dtype=float,
     )
-    fig, ax = plt.subplots(figsize=(min(12, 2 + conc.shape[1] * 0.15), 0.8 + conc.shape[0] * 0.3))
+    fig, ax = _subplots(figsize=(min(12, 2 + conc.shape[1] * 0.15), 0.8 + conc.shape[0] * 0.3))
     im = ax.imshow(conc, aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")

@@ -8,7 +8,7 @@ import numpy as np
 
 from moee.analysis.overlap import matched_from_table as _matched_from_table
 from moee.analysis.overlap import nmi_from_table as _nmi_from_table
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _plt, _table
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _subplots, _table
 from moee.analysis.specialization.sections.base import Draw, Results, Section, Shape, TextRoutes
 from moee.analysis.specialization.statistics import _random_table
 
@@ -84,8 +84,7 @@ def _render(report: dict, page: Page) -> str:
         ),
     ]
     if pairs:
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(5.5, 3))
+        fig, ax = _subplots(figsize=(5.5, 3))
         xs = [p["layers"][0] for p in pairs]
         ax.plot(xs, [p["nmi"] for p in pairs], marker="o", label="NMI")
         ax.plot(xs, [p["matched_agreement"] for p in pairs], marker="s", label="matched")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _grid, _plt, _table
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _grid, _subplots, _table
 from moee.analysis.specialization.sections.base import Results, Section
 from moee.analysis.specialization.statistics import _cv, _entropy
 
@@ -36,12 +36,11 @@ def _result(results: Results) -> list[dict]:
 
 
 def _render(report: dict, page: Page) -> str:
-    plt = _plt()
     s = report["summary"]
     L, E = s["n_layers"], s["n_experts"]
     layers = report["layers"]
     xs = np.arange(L)
-    fig, ax = plt.subplots(1, 3, figsize=(12, 3))
+    fig, ax = _subplots(1, 3, figsize=(12, 3))
     ax[0].plot(xs, [x["cv_importance"] for x in layers], marker="o", label="CV(importance)")
     ax[0].plot(xs, [x["cv_load"] for x in layers], marker="s", label="CV(load)")
     ax[0].legend(fontsize=7)
@@ -67,7 +66,7 @@ def _render(report: dict, page: Page) -> str:
     hist = _figure(
         fig, "load histograms", "Load of every expert over the mean load (dashed: perfect balance)."
     )
-    fig, a = plt.subplots(figsize=(min(12, 2 + E * 0.15), 0.8 + L * 0.3))
+    fig, a = _subplots(figsize=(min(12, 2 + E * 0.15), 0.8 + L * 0.3))
     im = a.imshow(np.asarray([x["load_fraction"] for x in layers]) * E, aspect="auto", cmap="viridis")
     a.set_xlabel("expert")
     a.set_ylabel("MoE layer")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _plt, _table, esc
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _subplots, _table, esc
 from moee.analysis.specialization.sections.base import Results, Section, Shape, TextRoutes
 from moee.analysis.specialization.statistics import _entropy
 
@@ -70,13 +70,12 @@ def _result(results: Results) -> dict:
 
 
 def _render(report: dict, page: Page) -> str:
-    plt = _plt()
     re_ = report["router_entropy"]
     rows = re_["by_layer"]
     s = report["summary"]
     E = s["n_experts"]
     xs = [r["layer"] for r in rows]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
+    fig, ax = _subplots(1, 2, figsize=(11, 3.2))
     ax[0].plot(xs, [r["dense_entropy_normalized"] for r in rows], marker="o", label="dense H(p) / log E")
     ax[0].plot(xs, [r["selection_entropy_normalized"] for r in rows], marker="s", label="selection H / log k")
     ax[0].plot(xs, [r["load_entropy"] / np.log(E) for r in rows], marker="^", label="load H / log E")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _plt, _table, esc
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _plt, _subplots, _table, esc
 from moee.analysis.specialization.sections.base import Section
 
 
@@ -29,7 +29,7 @@ def _render(report: dict, page: Page) -> str:
         xs, xlabel = np.arange(len(cks), dtype=float), "checkpoint (training order)"
     rows = sat["by_layer"]
     rnd = sat.get("random_baseline", {})
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.4))
+    fig, ax = _subplots(1, 2, figsize=(11, 3.4))
     cmap = plt.get_cmap("viridis")
     for a, key in zip(ax, ("top1", "topk")):
         for r in rows:
@@ -65,8 +65,17 @@ def _render(report: dict, page: Page) -> str:
             for c, t1, tk in zip(cks, sat["mean_top1"], sat["mean_topk"])
         ],
     )
+    tokenization = sat.get("tokenization") or {}
+    warning = (
+        "<p class='missing'>These checkpoints tokenise the corpus differently from the model this page "
+        f"describes ({esc(str(tokenization.get('model') or 'the model'))}): they are another model's "
+        "training series, and their saturation says nothing about this model's routing.</p>"
+        if tokenization.get("same_as_model") is False
+        else ""
+    )
     return (
-        f"<p class='lead'>Router saturation (OLMoE paper, section 5): for the first {esc(str(sat.get('n_texts')))} "
+        warning
+        + f"<p class='lead'>Router saturation (OLMoE paper, section 5): for the first {esc(str(sat.get('n_texts')))} "
         f"texts ({esc(str(sat.get('n_tokens')))} tokens), the share of tokens whose first choice (left) or top-k "
         f"(right) in each checkpoint matches the final checkpoint <code>{esc(str(sat.get('final', '')))}</code>, "
         "per layer (coloured) and on average (black), beside the permutation baseline (tokens shuffled) "

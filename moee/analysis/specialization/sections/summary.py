@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _nan, _plt, _table, esc
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _nan, _subplots, _table, esc
 from moee.analysis.specialization.sections.base import Results, Section
 
 
@@ -64,8 +64,7 @@ def _render(report: dict, page: Page) -> str:
     ]
     lifts = _lifts(report)
     if lifts:
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        fig, ax = _subplots(figsize=(7, 3.2))
         for name, values in lifts.items():
             ax.plot(range(len(values)), _nan(values), marker="o", label=name)
         ax.axhline(1.0, color="gray", linestyle=":", label="at its baseline")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from moee.analysis.specialization.markup import Page, _figure, _fmt, _nan, _plt, _table, _tok, esc
+from moee.analysis.specialization.markup import Page, _figure, _fmt, _nan, _subplots, _table, _tok, esc
 from moee.analysis.specialization.sections.base import Draw, Results, Section
 from moee.analysis.specialization.statistics import TOKEN_KEYS, _permuted_group_counts
 
@@ -41,20 +41,35 @@ def _token_specialization_stats(
     return weighted / sizes.sum(), best.sum(axis=0) / n_top
 
 
+def counted_routes(draw: Draw, column: int, counted: np.ndarray) -> np.ndarray:
+    """The sampled routes whose token under key ``column`` (of ``TOKEN_KEYS``) is one of the
+    ``counted`` ids; the whole sample when it holds none of them (a sample far smaller than the
+    corpus) or carries no tokens."""
+    if draw.sample_tokens is None:
+        return draw.sample
+    keep = np.isin(draw.sample_tokens[:, column], counted)
+    return draw.sample[keep] if keep.any() else draw.sample
+
+
 def _baseline(draw: Draw) -> dict:
     """Per ``TOKEN_KEYS`` key, ``(weighted max fraction [L], expert specialization [L, E])`` when
-    each token type seen ``min_token_count`` times takes as many random routes of the sample as it
-    has occurrences (mean over the draws); ``None`` for a key without such types."""
+    each token type seen ``min_token_count`` times takes as many random routes as it has
+    occurrences (mean over the draws); ``None`` for a key without such types.
+
+    The routes are drawn from the sampled tokens the statistic counts (types seen
+    ``min_token_count`` times) only: the rare types it leaves out route differently (a model
+    spreads them more), and drawing their routes would lower the baseline of the counted ones."""
     acc, rng, opts = draw.acc, draw.rng, draw.options
     token_spec = {}
-    for key in TOKEN_KEYS:
+    for column, key in enumerate(TOKEN_KEYS):
         sizes = acc.token_tables.sizes(key, opts.min_token_count)
         if not sizes.size:
             token_spec[key] = None
             continue
+        routes = counted_routes(draw, column, acc.token_tables.counted_ids(key, opts.min_token_count))
         runs = []
         for _ in range(acc.permutations):
-            groups = _permuted_group_counts(sizes, draw.sample, acc.n_experts, rng)
+            groups = _permuted_group_counts(sizes, routes, acc.n_experts, rng)
             runs.append(_token_specialization_stats(groups, sizes, opts.n_specialization_tokens))
             draw.step()
         token_spec[key] = (
@@ -178,8 +193,7 @@ def _render(report: dict, page: Page) -> str:
         )
     if not keys:
         return "".join(parts)
-    plt = _plt()
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.4))
+    fig, ax = _subplots(1, 2, figsize=(11, 3.4))
     colors = dict(zip(ts["keys"], ("#1f77b4", "#d62728", "#2ca02c")))
     for a, stat in zip(ax, ("weighted_max_fraction", "mean_expert_specialization")):
         for k in keys:
@@ -233,6 +247,6 @@ SECTION = Section(
     baseline=_baseline,
     baseline_steps=lambda acc: acc.permutations * len(TOKEN_KEYS),
     draw_order=0,
-    null="routes shuffled against the token of each key (input, next, "
-    "predicted; types seen >= min_token_count times); random routing k/E beside it",
+    null="routes of the counted tokens (types seen >= min_token_count times) shuffled against "
+    "the token of each key (input, next, predicted); random routing k/E beside it",
 )

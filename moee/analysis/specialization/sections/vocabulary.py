@@ -1,7 +1,7 @@
 """Vocabulary specialization: ``N_k(x, E) / N_x`` for input token types seen at least
 ``min_token_count`` times, summarised per layer as the token-weighted mean of its maximum over
-experts; its baseline is the input key's of the token specialization (routes shuffled against
-tokens), read from the shared token tables."""
+experts; its baseline is the input key's of the token specialization (the routes of the counted
+tokens shuffled against them), read from the shared token tables."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def _render(report: dict, page: Page) -> str:
     return (
         f"<p class='lead'>N_k(x,E)/N_x for token types seen at least {esc(str(voc['min_token_count']))} "
         "times; per layer the token-weighted mean of max<sub>E</sub> N_k(x,E)/N_x, beside its baseline: "
-        "the same statistic with the routes shuffled against the tokens (permutation; it depends on how "
-        "often each type occurs, so it is far above k/E for rare types).</p>"
+        "the same statistic with the routes of those tokens shuffled against them (permutation; rarer "
+        "types are left out of the draws as of the statistic; it depends on how often each type "
+        "occurs, so it is far above k/E for rare types).</p>"
         + _table(
             [
                 "layer",
@@ -103,5 +104,5 @@ SECTION = Section(
     render=_render,
     baseline=_baseline,
     draw_order=1,
-    null="routes shuffled against tokens (token types seen >= min_token_count times)",
+    null="routes of the counted tokens (types seen >= min_token_count times) shuffled against those tokens",
 )
