@@ -269,3 +269,44 @@ def test_the_first_choice_of_a_re_derived_selection_is_its_top_scoring_expert():
     assert rep["repetition"]["by_layer"][0]["rate"] == pytest.approx(
         np.mean(probs[1:, 0].argmax(1) == probs[:-1, 0].argmax(1))
     )
+
+
+def test_repetition_counts_two_token_texts_and_texts_without_pairs():
+    """A one-token text has no adjacent pair (rate and baseline 0); a two-token text has one."""
+    acc = SpecializationAccumulator(1, 2, 1)
+    acc.update(np.array([1]), routes(np.zeros((1, 1, 1), int), 2), text_index=0)
+    assert acc.baselines()["repetition"] == [0.0]
+    acc.update(np.array([1, 2]), routes(np.zeros((2, 1, 1), int), 2), text_index=1)
+    rep = acc.result(decode, min_token_count=1)["repetition"]
+    assert rep["n_adjacent_pairs"] == 1 and rep["by_layer"][0] == {"layer": 0, "rate": 1.0, "baseline": 1.0}
+
+
+def test_token_baselines_of_a_key_without_counted_types_and_a_single_draw():
+    """Inputs all distinct (no input type counted) but one predicted token throughout: the input
+    key has no baseline, the predicted key still has one; one draw over two layers."""
+    acc = SpecializationAccumulator(2, 3, 1, permutations=1)
+    sel = np.zeros((12, 2, 1), int)
+    sel[::2] = 1
+    acc.update(np.arange(12), routes(sel, 3), text_index=0, predicted=np.full(12, 7))
+    rep = acc.result(decode, min_token_count=5)
+    by_key = rep["token_specialization"]["by_key"]
+    assert by_key["input"]["by_layer"][1]["weighted_max_fraction_baseline"] is None
+    assert rep["vocabulary"]["by_layer"][1]["baseline"] is None
+    predicted = by_key["predicted"]
+    assert predicted["by_layer"][1]["weighted_max_fraction_baseline"] == pytest.approx(0.5)
+    assert predicted["experts"][1][0]["specialization_baseline"] == pytest.approx(0.05)  # 6/12 over n_top 10
+
+
+def test_counted_routes_fall_back_to_the_whole_sample_when_it_holds_no_counted_token():
+    from moee.analysis.specialization.sections.base import Draw
+    from moee.analysis.specialization.sections.token_specialization import counted_routes
+
+    sample = np.arange(6).reshape(3, 1, 2)
+    tokens = np.array([[4, 5, -1], [9, -1, -1], [4, 2, -1]])
+    draw = Draw(None, None, sample, None, {}, lambda: None, tokens)
+    np.testing.assert_array_equal(counted_routes(draw, 0, np.array([4])), sample[[0, 2]])
+    np.testing.assert_array_equal(counted_routes(draw, 1, np.array([2])), sample[[2]])
+    np.testing.assert_array_equal(counted_routes(draw, 0, np.array([99])), sample)
+    np.testing.assert_array_equal(
+        counted_routes(Draw(None, None, sample, None, {}, lambda: None), 0, []), sample
+    )
