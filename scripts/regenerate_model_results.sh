@@ -33,10 +33,12 @@ for step in "${STEPS[@]}"; do
     card) $PY scripts/export_default_model.py --card-only --out moee/assets/default-model ;;
     overlap) $PY analysis/run_overlap.py ;;
     stability) $PY analysis/run_stability.py ;;
-    report)  # saturation over the model's own training: the upcycled start, stage 1's export, stage 2
+    report)  # saturation over the model's own training: stage 1's export, then stage 2 (the upcycled start
+      # has its own tokenizer: it is the --compare report)
+      rm -rf analysis/specialization/compare  # rewritten below; the report folder holds only a report
       $PY -m moee.cli report --model moee/assets/default-model --corpus moee/assets/default-model/heldout.jsonl \
-        --domain-field source --checkpoints build/upcycled-minilm build/default-model-ctx128 \
-        build/train_default_ctx256/step_00000350 build/train_default_ctx256/step_00000400 \
+        --domain-field source --checkpoints build/default-model-ctx128 build/train_default_ctx256/step_00000350 \
+        build/train_default_ctx256/step_00000375 build/train_default_ctx256/step_00000400 \
         --overlap-tokens 16384 --out analysis/specialization --overwrite
       $PY -m moee.cli report --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
         --compare build/upcycled-minilm --overlap-tokens 16384 --out analysis/specialization/compare --overwrite ;;
