@@ -136,17 +136,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--rows", type=int, default=400_000, help="rows of the synthetic JSONL (part B)")
     p.add_argument("--world", type=int, default=8)
+    p.add_argument("--only", choices=("engine", "reading"), default=None, help="run one part")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    result = {
-        "engine": bench_engine(
-            args.model, length_mix_texts(args.texts), args.cpus, args.batch_size, args.reps
-        ),
-        "reading": bench_reading(args.rows, args.world),
-    }
+    result = {}
+    if args.only in (None, "engine"):
+        texts = length_mix_texts(args.texts)
+        result["engine"] = bench_engine(args.model, texts, args.cpus, args.batch_size, args.reps)
+    if args.only in (None, "reading"):
+        result["reading"] = bench_reading(args.rows, args.world)
     print(json.dumps(result, indent=2))
-    print(f"wrote {write_result('ray', result, args.out_dir)}")
+    print(f"wrote {write_result('ray' if args.only is None else f'ray_{args.only}', result, args.out_dir)}")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,9 @@ class MoEEmbedBatches:
 
 def _column(batch: Any, name: str) -> list[Any]:
     column = batch[name] if isinstance(batch, dict) else batch.column(name)
-    return column.to_pylist() if hasattr(column, "to_pylist") else list(column)
+    if hasattr(column, "to_pylist"):  # pyarrow
+        return column.to_pylist()
+    return column.tolist() if hasattr(column, "tolist") else list(column)  # numpy: Python values
 
 
 def model_facts(model: str | None, load: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +198,7 @@ def plan_parts(files: list[Path], part_bytes: int = PART_BYTES) -> list[dict[str
         for part in split_input(f, max(1, math.ceil(f.stat().st_size / part_bytes)))
         if part.stop > part.start
     ]
-    counts_remote = ray.remote(num_cpus=0.5)(_count_lines)
+    counts_remote = ray.remote(num_cpus=0)(_count_lines)
     pending = {i: counts_remote.remote(p) for i, p in enumerate(parts) if p.fmt != "parquet"}
     counted = dict(zip(pending, ray.get(list(pending.values()))))
     plan, row = [], 0
@@ -209,7 +211,7 @@ def plan_parts(files: list[Path], part_bytes: int = PART_BYTES) -> list[dict[str
         else:
             rows = counted[i]
         plan.append({"path": part.path, "fmt": part.fmt, "start": part.start, "stop": part.stop,
-                     "first_row": part.first_row, "row": row})  # fmt: skip
+                     "first_row": -1 if part.first_row is None else part.first_row, "row": row})  # fmt: skip
         row += rows
     return plan
 
@@ -226,7 +228,7 @@ def _read_parts(batch: dict[str, Any], field: str, id_field: str | None) -> Any:
             str(batch["fmt"][i]),
             int(batch["start"][i]),
             int(batch["stop"][i]),
-            None if first is None or (isinstance(first, float) and math.isnan(first)) else int(first),
+            None if int(first) < 0 else int(first),
         )
         row = int(batch["row"][i])
         columns = [field] + ([id_field] if id_field else [])
@@ -308,8 +310,10 @@ def embed_files(
     DataContext.get_current().execution_options.preserve_order = True  # rows stay in input order
     plan = plan_parts(files, part_bytes or PART_BYTES)
     ds = ray.data.from_items(plan, override_num_blocks=max(1, len(plan)))
+    # reading is I/O next to the model forward: no CPU reserved, so actors holding every CPU
+    # (a CPU-only cluster) never starve the reads that feed them
     ds = ds.map_batches(
-        _read_parts, batch_size=1, fn_kwargs={"field": field, "id_field": id_field}, num_cpus=0.5
+        _read_parts, batch_size=1, fn_kwargs={"field": field, "id_field": id_field}, num_cpus=0
     )
     ds = ds.map_batches(
         MoEEmbedBatches,
