@@ -189,7 +189,7 @@ def test_cli_engine_ray_names_a_bad_row(cluster, tiny_model_dir, tmp_path, capsy
     argv = ["embed", "--engine", "ray", str(folder), "--out", str(tmp_path / "o"), "--model", tiny_model_dir]
     assert main([*argv, "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "a.jsonl@byte 31 (input row 2): column 'text' must be a string, got int" in err, err[-2000:]
+    assert "a.jsonl@byte 32 (input row 2): column 'text' must be a string, got int" in err, err[-2000:]
     pq.write_table(pa.table({"body": ["x"]}), folder / "b.parquet")
     assert main([*argv, "--device", "cpu"]) == 2
     assert "b.parquet: no column 'text' (columns: body)" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import glob
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -361,4 +362,8 @@ def _input_error(exc: BaseException) -> BaseException:
         ):
             return type(cause)(*cause.args)
         cause = getattr(cause, "cause", None) or cause.__cause__
+    # Ray Data re-raises a task's error as UserCodeException, keeping the original only as text
+    found = re.search(r"^(ValueError|TypeError): (.+)$", str(exc), re.MULTILINE)
+    if found:
+        return (ValueError if found.group(1) == "ValueError" else TypeError)(found.group(2))
     return exc
