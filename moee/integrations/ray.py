@@ -211,8 +211,10 @@ def plan_parts(files: list[Path], part_bytes: int = PART_BYTES) -> list[dict[str
             rows = sum(meta.row_group(g).num_rows for g in range(part.start, part.stop))
         else:
             rows = counted[i]
-        plan.append({"path": part.path, "fmt": part.fmt, "start": part.start, "stop": part.stop,
-                     "first_row": -1 if part.first_row is None else part.first_row, "row": row})  # fmt: skip
+        first = -1 if part.first_row is None else part.first_row  # -1: lines (one column type)
+        plan.append(
+            dict(path=part.path, fmt=part.fmt, start=part.start, stop=part.stop, first_row=first, row=row)
+        )
         row += rows
     return plan
 
