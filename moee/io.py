@@ -48,6 +48,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,118 @@ def _read_parquet(path: Path, field: str, batch_rows: int = 8192) -> Iterator[st
                 raise ValueError(f"{path}: row {row} of column {field!r} is null")
             yield value
             row += 1
+
+
+@dataclass(frozen=True)
+class InputPart:
+    """One share of an input file that a worker reads without touching the rest: bytes
+    ``[start, stop)`` of a .txt / .jsonl file (each line belongs to the share holding its first
+    byte, so shares meet at line starts), or row groups ``[start, stop)`` of a .parquet file
+    (``first_row``: its first row's index in the file, known from the footer; ``None`` for lines)."""
+
+    path: str
+    fmt: str
+    start: int
+    stop: int
+    first_row: int | None = None
+
+
+def split_input(path: str | Path, parts: int) -> list[InputPart]:
+    """``path`` cut into ``parts`` shares of about equal size, in file order, reading only the
+    Parquet footer (a text file is cut by size: no byte of it is read here)."""
+    path = check_input_file(path, "input file")
+    fmt = input_format(path)
+    if parts < 1:
+        raise ValueError(f"number of input parts must be >= 1, got {parts}")
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        groups = meta.num_row_groups
+        firsts = np.concatenate([[0], np.cumsum([meta.row_group(g).num_rows for g in range(groups)])])
+        cuts = [groups * k // parts for k in range(parts + 1)]
+        return [InputPart(str(path), fmt, a, b, int(firsts[a])) for a, b in zip(cuts, cuts[1:])]
+    size = path.stat().st_size
+    cuts = [size * k // parts for k in range(parts + 1)]
+    return [InputPart(str(path), fmt, a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def _line_start(f: Any, offset: int) -> int:
+    """The first line start at or after ``offset`` (reads at most the line it falls in)."""
+    if offset <= 0:
+        return 0
+    f.seek(offset - 1)
+    f.readline()  # ends at the newline at or after offset - 1
+    return f.tell()
+
+
+def iter_part_lines(part: InputPart) -> Iterator[tuple[int, bytes]]:
+    """``(byte offset, line without its newline)`` for every line starting in the share."""
+    with open(part.path, "rb") as f:
+        pos = _line_start(f, part.start)
+        stop = _line_start(f, part.stop) if part.stop > pos else pos
+        f.seek(pos)
+        while pos < stop:
+            raw = f.readline()
+            if not raw:
+                break
+            yield pos, raw[:-1] if raw.endswith(b"\n") else raw
+            pos += len(raw)
+
+
+def read_part_records(part: InputPart, columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` for every row of the share, in file order: ``where`` names the row in
+    errors (``path@byte N`` / ``path row N``); ``record`` holds ``columns`` (missing ones absent).
+    A .txt line is ``{"text": line}``; a bad JSON line is an error naming its byte offset."""
+    if part.fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(part.path)
+        have = [c for c in columns if c in pf.schema_arrow.names]
+        row = part.first_row or 0
+        for g in range(part.start, part.stop):
+            for record in pf.read_row_group(g, columns=have).to_pylist():
+                yield f"{part.path} row {row}", record
+                row += 1
+        return
+    for pos, line in iter_part_lines(part):
+        where = f"{part.path}@byte {pos}"
+        if part.fmt == "txt":
+            line = line[:-1] if line.endswith(b"\r") else line
+            try:
+                yield where, {DEFAULT_FIELD: line.decode("utf-8")}
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not valid UTF-8 ({exc.reason})") from None
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{where}: invalid JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield where, record
+
+
+def check_text_value(value: Any, field: str, where: str) -> str:
+    """``value`` if it is a string, else an error naming the column and the row."""
+    if value is None:
+        raise ValueError(f"{where}: column {field!r} is missing or null; every row needs a text")
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: column {field!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def read_part_texts(part: InputPart, *, field: str | None = None) -> Iterator[str]:
+    """The texts of one share of an input (:func:`split_input`), in order, checked as
+    :func:`read_texts` checks them; the other shares' bytes are never read."""
+    if part.fmt == "txt" and field is not None:
+        raise ValueError(f"--field/field applies to .jsonl and .parquet inputs, not {part.path}")
+    field = field or DEFAULT_FIELD
+    for where, record in read_part_records(part, [field]):
+        if field not in record and part.fmt == "jsonl":
+            keys = ", ".join(map(repr, record)) or "none"
+            raise ValueError(f"{where}: no field {field!r} (keys: {keys}); choose one with --field")
+        yield check_text_value(record.get(field), field, where)
 
 
 def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -669,7 +782,11 @@ def read_embeddings(
     path: str | Path, *, mmap: bool = False, verify: bool = True
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Load ``(embeddings, metadata)``; never unpickles, checks the sidecar's shape and (``verify``,
-    one extra read of the file) size and content hash."""
+    one extra read of the file) size and content hash. A Parquet embeddings folder (``moee embed
+    --engine ray``) reads in input order (:func:`read_parquet_embeddings`)."""
+    if is_parquet_embeddings(path):
+        arr, meta, _ = read_parquet_embeddings(path, verify=verify)
+        return arr, meta
     path = check_input_file(path, "embeddings file")
     meta = read_metadata(path)
     if verify:
@@ -678,6 +795,91 @@ def read_embeddings(
     if list(arr.shape) != list(meta.get("shape", [])):
         raise ValueError(f"{path} has shape {list(arr.shape)} but its sidecar says {meta.get('shape')}")
     return arr, meta
+
+
+#: The sidecar of a Parquet embeddings folder (``moee embed --engine ray``), inside the folder; the
+#: leading underscore makes Parquet readers (pyarrow, Ray, Spark) skip it.
+PARQUET_SIDECAR = "_embeddings.json"
+#: The columns a Parquet embeddings folder always holds (the ``--id-field`` column is kept too).
+ROW_COLUMN, TEXT_COLUMN, EMBEDDING_COLUMN = "row", "text", "embedding"
+
+
+def is_parquet_embeddings(path: str | Path) -> bool:
+    """True for a folder of Parquet embeddings files with their sidecar."""
+    return Path(path).is_dir() and (Path(path) / PARQUET_SIDECAR).is_file()
+
+
+def read_embeddings_table(path: str | Path, columns: list[str] | None = None) -> Any:
+    """The rows of a Parquet embeddings folder as one pyarrow Table in input order (sorted by
+    ``row``); ``row`` must be exactly ``0 .. n-1`` (no row lost or duplicated), else an error."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
+    path = Path(path)
+    files = sorted(str(p) for p in path.glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no .parquet files")
+    if columns is not None and ROW_COLUMN not in columns:
+        columns = [ROW_COLUMN, *columns]
+    table = pads.dataset(files, format="parquet").to_table(columns=columns)
+    table = table.take(pc.sort_indices(table, sort_keys=[(ROW_COLUMN, "ascending")]))
+    rows = table.column(ROW_COLUMN).to_numpy()
+    if not np.array_equal(rows, np.arange(len(rows))):
+        seen = np.bincount(rows[(rows >= 0) & (rows < len(rows))], minlength=len(rows))
+        raise ValueError(
+            f"{path}: the rows are not 0..{len(rows) - 1} exactly once ({int((seen == 0).sum())} missing, "
+            f"{int((seen > 1).sum())} duplicated): a partial or mixed output; re-run `moee embed`"
+        )
+    return table
+
+
+def _parquet_arrays(table: Any) -> tuple[np.ndarray, list[str]]:
+    column = table.column(EMBEDDING_COLUMN).combine_chunks()
+    dim = column.type.list_size
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(values.reshape(-1, dim), dtype="<f4"), table.column(TEXT_COLUMN).to_pylist()
+
+
+def write_parquet_sidecar(path: str | Path, metadata: dict[str, Any]) -> Path:
+    """Seal the sidecar of the Parquet embeddings folder ``path``: the usual keys plus the shape,
+    ``data_sha256`` (of the float32 rows in input order, as a .npy's) and ``texts_sha256`` (of its
+    ``text`` column), from one read of the folder."""
+    arr, texts = _parquet_arrays(read_embeddings_table(path, [TEXT_COLUMN, EMBEDDING_COLUMN]))
+    digest, _ = texts_digest(texts)
+    sha = hashlib.sha256(arr.tobytes()).hexdigest()
+    meta = sidecar_metadata({**metadata, "storage": "parquet", "texts_sha256": digest}, arr.shape, sha)
+    return write_json_atomic(Path(path) / PARQUET_SIDECAR, seal(meta))
+
+
+def read_parquet_sidecar(path: str | Path) -> dict[str, Any]:
+    """The checked sidecar of a Parquet embeddings folder (without reading its rows)."""
+    path = Path(path)
+    return read_sidecar(
+        path / PARQUET_SIDECAR,
+        fmt=SIDECAR_FORMAT,
+        kind="embeddings",
+        missing=f"{path / PARQUET_SIDECAR} is missing; Parquet embeddings are written by `moee embed --engine ray`",
+        remedy="re-run `moee embed`",
+    )
+
+
+def read_parquet_embeddings(
+    path: str | Path, *, verify: bool = True
+) -> tuple[np.ndarray, dict[str, Any], list[str]]:
+    """``(embeddings [n, dim] float32 in input order, sidecar, texts)`` of a Parquet embeddings
+    folder; ``verify`` checks the shape, data and texts digests against the sidecar."""
+    path = Path(path)
+    meta = read_parquet_sidecar(path)
+    arr, texts = _parquet_arrays(read_embeddings_table(path, [TEXT_COLUMN, EMBEDDING_COLUMN]))
+    if list(arr.shape) != list(meta.get("shape", [])):
+        raise ValueError(
+            f"{path} holds {list(arr.shape)} embeddings but its sidecar says {meta.get('shape')}"
+        )
+    if verify and hashlib.sha256(arr.tobytes()).hexdigest() != meta.get("data_sha256"):
+        raise ValueError(f"{path} does not match its sidecar (content hash differs): the files were changed")
+    if verify and texts_digest(texts)[0] != meta.get("texts_sha256"):
+        raise ValueError(f"{path}: its text column does not match the sidecar's texts_sha256")
+    return arr, meta, texts
 
 
 def npy_shape(path: str | Path) -> tuple[int, ...]:
@@ -693,6 +895,18 @@ def npy_shape(path: str | Path) -> tuple[int, ...]:
 
 __all__ = [
     "EmbeddingWriter",
+    "PARQUET_SIDECAR",
+    "is_parquet_embeddings",
+    "read_embeddings_table",
+    "read_parquet_embeddings",
+    "read_parquet_sidecar",
+    "write_parquet_sidecar",
+    "InputPart",
+    "check_text_value",
+    "iter_part_lines",
+    "read_part_records",
+    "read_part_texts",
+    "split_input",
     "StagedFolder",
     "check_output_folder",
     "commit_folder",

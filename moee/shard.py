@@ -3,26 +3,30 @@
 One process (``world == 1``) streams the input in chunks and appends each chunk's vectors
 to the output file, so neither the texts nor the embeddings must fit in memory.
 
-Sharded runs split rows round-robin: process ``rank`` of ``world`` embeds input rows ``i``
-with ``i % world == rank``. Every process streams the whole input (reading is cheap next to
-the model forward) and keeps only its rows. Rank and world come from ``--shard-rank`` /
+Sharded runs split the input into ``world`` contiguous shares (:func:`moee.io.split_input`):
+byte ranges of a .txt / .jsonl file aligned to line starts, or row-group ranges of a .parquet
+file. Process ``rank`` reads only its share (it seeks to it: the bytes before are never read) and
+embeds it. Rank and world come from ``--shard-rank`` /
 ``--num-shards`` or from the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` variables that
 ``accelerate launch``, ``torchrun`` and most cluster launchers set; no process group is
 needed, processes coordinate through files only:
 
-- ``DIR/manifest.json``: input (path, size, SHA-256 of the content), field, world size and
-  every setting that changes the numbers. A rerun with different ones is refused instead of
-  mixing shards (an input with rows reordered or edited in place is a different input). The
-  merge adds ``shards``: each shard's content hash, as merged.
-- ``DIR/shard-RRRRR-of-WWWWW.npy`` (+ ``.npy.json`` with ``rows = {start, step, count}``, i.e.
-  input rows ``start, start+step, ...``, ``data_sha256`` and the whole input's ``texts_sha256``):
-  written under a temporary name unique to its process while holding the shard's lock (a second
-  process of the same rank is refused) and committed with its sidecar when complete, so after a crash a rerun of the same command skips
-  every complete shard. A shard whose size or content hash does not match its sidecar (flipped
+- ``DIR/manifest.json``: input (path, size, format), field, world size and every setting that
+  changes the numbers. A rerun with different ones is refused instead of mixing shards. The merge
+  adds ``shards``: each shard's content hash, as merged.
+- ``DIR/shard-RRRRR-of-WWWWW.npy`` (+ ``.npy.json`` with ``rows = {part, count}``: the share
+  ``[start, stop)`` and its number of rows, ``data_sha256`` and the digest of its own texts,
+  ``texts_sha256``): written under a temporary name unique to its process while holding the
+  shard's lock (a second process of the same rank is refused) and committed with its sidecar when
+  complete, so after a crash a rerun of the same command skips every complete shard (after
+  re-reading its share: a share whose texts changed, reordered or edited rows, is a different run).
+  A shard whose size or content hash does not match its sidecar (flipped
   bytes, truncation) is not complete: the rerun recomputes it and the merge refuses it by name.
 - ``DIR/embeddings.npy`` (+ sidecar): the merge, rows in input order; rank 0 writes it once
-  every shard is complete (or run ``moee embed --merge DIR --out OUT.npy``). Shards that disagree
-  on the input texts or the model weights are not merged.
+  every shard is complete (or run ``moee embed --merge DIR --out OUT.npy``; an ``OUT`` folder gets
+  Parquet files instead, as ``--engine ray`` writes them). The merge reads the input once, in one
+  process, to check each shard's texts and record the whole input's ``texts_sha256``; shards that
+  disagree with the input texts or with each other on the model weights are not merged.
 """
 
 from __future__ import annotations
@@ -40,19 +44,23 @@ import numpy as np
 
 from moee.io import (
     EmbeddingWriter,
+    InputPart,
     TextsDigest,
     batched,
     check_embeddings_file,
     commit_with_sidecar,
     file_sha256,
+    input_format,
     npy_data_offset,
     npy_shape,
     output_lock,
     read_metadata,
+    read_part_texts,
     read_texts,
     run_metadata,
     sidecar_metadata,
     sidecar_path,
+    split_input,
     temporary_path,
     write_json_atomic,
 )
@@ -60,7 +68,7 @@ from moee.io import (
 EncodeFn = Callable[[list[str]], np.ndarray]
 MANIFEST = "manifest.json"
 MERGED = "embeddings.npy"
-MANIFEST_FORMAT = "moee-shards/2"
+MANIFEST_FORMAT = "moee-shards/3"
 _MERGE_RECORD = "shards"  # manifest key the merge adds; not part of a run's identity
 
 
@@ -115,19 +123,24 @@ def shard_name(rank: int, world: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}"
 
 
-def select_rows(texts: Iterable[str], rank: int, world: int) -> Iterator[tuple[int, str]]:
-    """``(i, text)`` for the rows with ``i % world == rank``, lazily."""
-    for i, text in enumerate(texts):
-        if i % world == rank:
-            yield i, text
+def own_part(path: str | Path, info: ShardInfo) -> InputPart:
+    """This process' share of the input (:func:`moee.io.split_input`), found without reading it."""
+    return split_input(path, info.world)[info.rank]
+
+
+def read_own_texts(path: str | Path, info: ShardInfo, field: str | None) -> Iterator[str]:
+    """The texts of this process' share, in order (one process: the whole input, errors naming lines)."""
+    if info.world == 1:
+        return read_texts(path, field=field)
+    return read_part_texts(own_part(path, info), field=field)
 
 
 # ----------------------------------------------------------------------------------------
 # streaming embedding
 # ----------------------------------------------------------------------------------------
 class _Counter:
-    """Counts and hashes every input row, also those other shards own (needed to check the merge,
-    and recorded as the run's ``texts_sha256``)."""
+    """Counts and hashes the rows of this process' share (its ``texts_sha256``, checked by the merge
+    and on resume)."""
 
     def __init__(self, items: Iterable[str]) -> None:
         self.items = items
@@ -199,11 +212,11 @@ def embed_stream(
 # sharded runs
 # ----------------------------------------------------------------------------------------
 def input_fingerprint(path: str | Path) -> dict[str, Any]:
-    """Identify an input file by content (resolved path, size, SHA-256): reordered or edited rows
-    are a different input even with the same size and modification time. One extra read of the
-    input, cheap next to the model forward."""
+    """Identify an input file without reading its rows (resolved path, size, format): every process
+    computes it, so it must not cost a read of the input. Content is checked per share: each shard
+    records its texts' digest, checked on resume and by the merge's one read of the input."""
     path = Path(path).resolve()
-    return {"path": str(path), "size": path.stat().st_size, "sha256": file_sha256(path)}
+    return {"path": str(path), "size": path.stat().st_size, "format": input_format(path)}
 
 
 def _check_or_write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
@@ -277,6 +290,16 @@ def prepare_shard_dir(
     npy = out_dir / f"{info.name}.npy"
     if problem is not None and npy.is_file() and sidecar_path(npy).is_file():
         warnings.warn(f"recomputing {info.name}: {problem}", stacklevel=2)
+    if problem is None:  # complete: its share must still hold the texts it was embedded from
+        recorded = read_metadata(npy).get("texts_sha256")
+        digest = TextsDigest()
+        for _ in digest.wrap(read_own_texts(input_path, info, field)):
+            pass
+        if digest.hexdigest() != recorded:
+            raise ValueError(
+                f"{out_dir} holds shards of a different run (input differ: the rows of {info.name}'s share "
+                f"of {input_path} changed since it was embedded); use a new output directory or delete the old one"
+            )
     return problem is None
 
 
@@ -323,18 +346,18 @@ def _embed_own_rows(
     total_rows: int | None,
 ) -> Path:
     sidecar_path(npy).unlink(missing_ok=True)  # a stale sidecar must never describe the new rows
-    counter = _Counter(read_texts(input_path, field=field))
-    own = (text for _, text in select_rows(counter, info.rank, info.world))
+    counter = _Counter(read_own_texts(input_path, info, field))
+    part = own_part(input_path, info)
     meta: dict[str, Any] = {**settings, **run_metadata(), "shard": info.name}
 
     def finish(count: int) -> dict[str, Any]:
-        rows = {"start": info.rank, "step": info.world, "count": count}
+        rows = {"part": [part.start, part.stop], "count": count}
         facts = (metadata() if callable(metadata) else metadata) or {}
-        texts = {"input_rows": counter.count, "texts_sha256": counter.digest.hexdigest()}
-        return {**meta, **facts, **texts, "rows": rows, "complete": True}
+        return {**meta, **facts, "texts_sha256": counter.digest.hexdigest(), "rows": rows, "complete": True}
 
-    own_rows = None if total_rows is None else len(range(info.rank, total_rows, info.world))
-    return embed_stream(encode, own, npy, finish, chunk_size=chunk_size, progress=progress, total=own_rows)
+    return embed_stream(
+        encode, counter, npy, finish, chunk_size=chunk_size, progress=progress, total=total_rows
+    )
 
 
 def wait_for_shards(out_dir: str | Path, world: int, *, timeout: float, poll: float = 2.0) -> None:
@@ -377,30 +400,68 @@ def merge_shards(
         )
     paths = [out_dir / f"{shard_name(r, world)}.npy" for r in range(world)]
     metas = [read_metadata(p) for p in paths]
-    totals = {m["input_rows"] for m in metas}
-    if len(totals) != 1:
-        raise ValueError(f"shards disagree on the number of input rows: {sorted(totals)}")
-    for key, what in (("texts_sha256", "input texts"), ("weights_digest", "model weights")):
-        seen = {str(m.get(key)) for m in metas}
-        if len(seen) != 1:  # every shard read the same input with the same model, or none is merged
-            raise ValueError(f"cannot merge {out_dir}: shards disagree on the {what} ({key}: {sorted(seen)})")
-    n = totals.pop()
+    seen = {str(m.get("weights_digest")) for m in metas}
+    if len(seen) != 1:  # every shard embedded with the same model, or none is merged
+        raise ValueError(
+            f"cannot merge {out_dir}: shards disagree on the model weights (weights_digest: {sorted(seen)})"
+        )
+    input_path = Path(manifest["input"]["path"])
+    if not input_path.is_file():
+        raise FileNotFoundError(
+            f"cannot merge {out_dir}: its input {input_path} is gone (the merge reads it once to check "
+            "every shard's texts); restore it"
+        )
+    parts = [own_part(input_path, ShardInfo(r, world, r)) for r in range(world)]
+    for r, (m, part) in enumerate(zip(metas, parts)):
+        if m["rows"].get("part") != [part.start, part.stop]:
+            raise ValueError(
+                f"shard {r} holds the share {m['rows'].get('part')} of the input, expected "
+                f"[{part.start}, {part.stop}) of {world} shares"
+            )
+    n = sum(int(m["rows"]["count"]) for m in metas)
     dims = {npy_shape(p)[1] for p, m in zip(paths, metas) if m["rows"]["count"] > 0}
     if len(dims) != 1:
         raise ValueError(f"shards disagree on the embedding dimension: {sorted(dims)}")
     dim = dims.pop()
-    for r, m in enumerate(metas):
-        expected = len(range(r, n, world))
-        if m["rows"] != {"start": r, "step": world, "count": expected}:
-            raise ValueError(
-                f"shard {r} holds rows {m['rows']}, expected {expected} rows from {r} step {world}"
-            )
 
     out_path = Path(out_path) if out_path is not None else out_dir / MERGED
-    if out_path.suffix != ".npy":
-        raise ValueError(f"merged embeddings are written as .npy; got {out_path}")
     with output_lock(out_path):
         return _merge_into(out_path, out_dir, manifest_path, manifest, paths, metas, n, dim, overwrite)
+
+
+def _merged_rows(
+    out_dir: Path,
+    manifest: dict[str, Any],
+    paths: list[Path],
+    metas: list[dict[str, Any]],
+    digest: TextsDigest,
+) -> Iterator[tuple[int, list[str], np.ndarray]]:
+    """``(first row, texts, vectors)`` chunks of every shard in input order, from one read of the
+    input; a shard whose texts are not its share's rows is an error naming it."""
+    world = len(paths)
+    field, row = manifest["field"], 0
+    for r, (path, meta) in enumerate(zip(paths, metas)):
+        shard_digest = TextsDigest()
+        texts = shard_digest.wrap(
+            digest.wrap(read_own_texts(manifest["input"]["path"], ShardInfo(r, world, r), field))
+        )
+        vectors = np.load(path, mmap_mode="r", allow_pickle=False) if meta["rows"]["count"] else None
+        done = 0
+        for chunk in batched(texts, 65536):
+            if vectors is None or done + len(chunk) > len(vectors):
+                break
+            yield row + done, chunk, vectors[done : done + len(chunk)]
+            done += len(chunk)
+        for _ in texts:  # the rest of the share, if the shard is short: counted for the error
+            done += 1
+        if done != meta["rows"]["count"] or shard_digest.hexdigest() != meta.get("texts_sha256"):
+            raise ValueError(
+                f"cannot merge {out_dir}: shards disagree on the input texts ({path.name} holds "
+                f"{meta['rows']['count']} rows, its share of {manifest['input']['path']} has {done} rows"
+                f"{'' if done != meta['rows']['count'] else ' with other texts'}: the input changed); "
+                "rerun the same command to recompute it"
+            )
+        row += done
 
 
 def _merge_into(
@@ -417,21 +478,9 @@ def _merge_into(
     world = len(paths)
     if not overwrite and out_path.exists():
         raise FileExistsError(f"{out_path} already exists; pass --overwrite to replace it")
-    partial = temporary_path(out_path)
-    try:
-        merged = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
-        for r, p in enumerate(paths):
-            if metas[r]["rows"]["count"]:
-                merged[r::world] = np.load(p, mmap_mode="r", allow_pickle=False)
-        merged.flush()
-        del merged
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    digest = TextsDigest()
+    chunks = _merged_rows(out_dir, manifest, paths, metas, digest)
     record = {p.name: m["data_sha256"] for p, m in zip(paths, metas)}
-    recorded = json.loads(manifest_path.read_text()).get(_MERGE_RECORD)
-    if recorded != record:  # one writer: the merge runs once every shard is complete
-        write_json_atomic(manifest_path, {**manifest, _MERGE_RECORD: record})
     per_file = (
         "shard",
         "rows",
@@ -442,20 +491,70 @@ def _merge_into(
         "data_sha256",
         "sidecar_sha256",
     )
-    keep = {k: v for k, v in metas[0].items() if k not in per_file}
-    if all("truncated_texts" in m for m in metas):
-        keep["truncated_texts"] = sum(int(m["truncated_texts"]) for m in metas)
-    meta = {
-        **keep,
-        **run_metadata(),
-        "input": manifest["input"],
-        "field": manifest["field"],
-        "merged_from": {
+
+    def sidecar() -> dict[str, Any]:
+        keep = {k: v for k, v in metas[0].items() if k not in per_file}
+        if all("truncated_texts" in m for m in metas):
+            keep["truncated_texts"] = sum(int(m["truncated_texts"]) for m in metas)
+        merged_from = {
             "directory": str(out_dir.resolve()),
             "shards": world,
             "shard_commands": metas[0]["command"],
             "shard_sha256": record,
-        },
-    }
+        }
+        return {
+            **keep,
+            **run_metadata(),
+            "input": manifest["input"],
+            "field": manifest["field"],
+            "texts_sha256": digest.hexdigest(),  # the whole input's, from the merge's one read of it
+            "merged_from": merged_from,
+        }
+
+    if out_path.suffix != ".npy":  # a folder of Parquet files, as `moee embed --engine ray` writes
+        from moee.io import StagedFolder, write_parquet_sidecar
+
+        with StagedFolder(out_path) as staging:
+            _write_parquet_rows(staging, chunks)
+            _record_merge(manifest_path, manifest, record)
+            write_parquet_sidecar(staging, sidecar())
+        return out_path
+    partial = temporary_path(out_path)
+    try:
+        merged = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, dim))
+        for first, _, rows in chunks:
+            merged[first : first + len(rows)] = rows
+        merged.flush()
+        del merged
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    _record_merge(manifest_path, manifest, record)
     sha = file_sha256(partial, offset=npy_data_offset(partial))
-    return commit_with_sidecar(partial, out_path, sidecar_metadata(meta, (n, dim), sha), overwrite=overwrite)
+    return commit_with_sidecar(
+        partial, out_path, sidecar_metadata(sidecar(), (n, dim), sha), overwrite=overwrite
+    )
+
+
+def _record_merge(manifest_path: Path, manifest: dict[str, Any], record: dict[str, str]) -> None:
+    recorded = json.loads(manifest_path.read_text()).get(_MERGE_RECORD)
+    if recorded != record:  # one writer: the merge runs once every shard is complete
+        write_json_atomic(manifest_path, {**manifest, _MERGE_RECORD: record})
+
+
+def _write_parquet_rows(folder: Path, chunks: Iterable[tuple[int, list[str], np.ndarray]]) -> None:
+    """One Parquet file per chunk of ``(first row, texts, vectors)``: ``row``, ``text``, ``embedding``
+    (fixed-size float32 lists), the layout of a Parquet embeddings folder (``moee.io``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for k, (first, texts, rows) in enumerate(chunks):
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        table = pa.table(
+            {
+                "row": pa.array(np.arange(first, first + len(rows)), pa.int64()),
+                "text": pa.array(texts, pa.string()),
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1]),
+            }
+        )
+        pq.write_table(table, folder / f"part-{k:05d}.parquet")

@@ -1,6 +1,6 @@
 """Regenerate BENCHMARKS.md from the benchmark result files (no figure is typed by hand).
 
-Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,ablate,gpu_check}.json`` and
+Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,ablate,ray_engine,ray_reading,gpu_check}.json`` and
 ``docs/bench_capture.json``; a missing file is reported as "not run" with its command.
 
     python scripts/write_benchmarks_md.py [--results bench/results] [--out BENCHMARKS.md]
@@ -26,6 +26,8 @@ COMMANDS = {
     "recipes": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py",
     "serve": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_serve.py",
     "ablate": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py",
+    "ray_engine": "nice -n 15 env OMP_NUM_THREADS=1 python scripts/bench_ray.py --only engine --texts 256 --reps 1 --cpus 2",
+    "ray_reading": "nice -n 15 env OMP_NUM_THREADS=1 python scripts/bench_ray.py --only reading --rows 400000 --world 8",
     "report": "nice -n 5 env OMP_NUM_THREADS=2 python scripts/bench_report.py --corpus build/corpus/train.jsonl "
     "--tokens 1000000 --reps 1",
 }
@@ -611,6 +613,53 @@ def serve_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
     return lines, [["9", name, goal, measured, _status(ok)]]
 
 
+def ray_section(engine: dict | None, reading: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 11. Ray engine and sharded input reading (`scripts/bench_ray.py`)"
+    lines, rows = [title, ""], []
+    name_e = "Ray actors vs one process (`encode`), same texts and cores"
+    if engine is None:
+        lines.append(_not_run("ray_engine"))
+        rows.append(["11", name_e, ">= 0.9x", "not run", "—"])
+    else:
+        e = engine["engine"]
+        single, ray = min(e["single_process_s"]), min(e["ray_s"])
+        ratio = single / ray
+        lines += [
+            _command(engine),
+            f"`MoEEmbedBatches`, {e['cpus']} one-thread actors on a {e['cpus']}-CPU local cluster, vs one process "
+            f"(`encode`, {e['cpus']} torch threads); {e['texts']} mixed-length texts, the bundled model, model loads "
+            f"included, cluster start-up ({e['ray_startup_s']:.1f} s) not; 1-minute load average "
+            f"{engine['machine']['load_average_1m']:.1f}: {single:.1f} s vs {ray:.1f} s = **{_x(ratio)}** "
+            f"(rows equal to {e['max_abs_diff']:.1e}).",
+            "",
+        ]
+        rows.append(["11", name_e, ">= 0.9x", _x(ratio), _status(ratio >= 0.9)])
+    name_r = "one sharded process' input reading, before vs after reading only its share"
+    if reading is None:
+        lines.append(_not_run("ray_reading"))
+        rows.append(["11", name_r, "less", "not run", "—"])
+    else:
+        r = reading["reading"]
+        lines += [
+            _command(reading),
+            f"JSONL of {r['rows']:,} rows ({r['bytes'] / 1e6:.1f} MB), rank {r['rank']} of {r['world']}: whole-file "
+            f"hash + full count + full stream before, count + stream of its byte range now: {r['before_s']:.2f} s -> "
+            f"{r['after_s']:.2f} s ({_x(r['speedup'])}); first own row {r['before_first_row_s']:.2f} s -> "
+            f"{r['after_first_row_s']:.2f} s.",
+            "",
+        ]
+        rows.append(
+            [
+                "11",
+                name_r,
+                "less",
+                f"{r['before_s']:.2f} s -> {r['after_s']:.2f} s",
+                _status(r["after_s"] < r["before_s"]),
+            ]
+        )
+    return lines, rows
+
+
 def machine_lines(results: list[dict]) -> list[str]:
     first = next((r for r in results if r is not None), None)
     if first is None:
@@ -643,6 +692,7 @@ def render(results_dir: Path, capture_json: Path) -> str:
         report_section(get("report")),
         serve_section(get("serve")),
         ablate_section(get("ablate")),
+        ray_section(get("ray_engine"), get("ray_reading")),
     ]
     rows = [row for _, part_rows in parts for row in part_rows]
     out = [

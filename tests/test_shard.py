@@ -66,9 +66,25 @@ def test_shard_info_from_env_and_arguments(monkeypatch):
     assert shard.shard_name(3, 12) == "shard-00003-of-00012"
 
 
-def test_select_rows_round_robin():
-    rows = [list(shard.select_rows(iter("abcdefg"), r, 3)) for r in range(3)]
-    assert rows == [[(0, "a"), (3, "d"), (6, "g")], [(1, "b"), (4, "e")], [(2, "c"), (5, "f")]]
+def _share(path, rank, world):
+    return list(shard.read_own_texts(path, shard.ShardInfo(rank, world, rank), None))
+
+
+def test_each_process_reads_only_its_contiguous_share(tmp_path, corpus, monkeypatch):
+    texts = _texts(corpus)
+    for world in (1, 2, 3, 7, 200):
+        shares = [_share(corpus, r, world) for r in range(world)]
+        assert [t for s in shares for t in s] == texts  # the shares tile the input, in order
+    # a broken first line is never read by the last share's process (the whole file's reader fails)
+    broken = tmp_path / "broken.txt"
+    broken.write_bytes(b"\xff not utf-8\n" + corpus.read_bytes())
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        list(shard.read_own_texts(broken, shard.ShardInfo(0, 1, 0), None))
+    assert _share(broken, 2, 3) == _share(corpus, 2, 3)[-len(_share(broken, 2, 3)) :]
+    size = corpus.stat().st_size
+    # the last share starts at about 2/3 of the file: the bytes before it are never read
+    part = shard.own_part(corpus, shard.ShardInfo(2, 3, 2))
+    assert part.start == 2 * size // 3 and part.stop == size
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 30])
@@ -86,9 +102,11 @@ def test_shards_merge_to_the_single_process_result(tmp_path, corpus, world):
     arr, meta = read_embeddings(merged)
     np.testing.assert_array_equal(arr, np.load(single))
     assert meta["shape"] == [23, 4] and meta["method"] == "hs" and meta["merged_from"]["shards"] == world
-    side = read_metadata(out_dir / f"{shard.shard_name(world - 1, world)}.npy")
-    assert side["rows"] == {"start": world - 1, "step": world, "count": len(range(world - 1, 23, world))}
-    assert side["input_rows"] == 23 and side["complete"] is True
+    last = shard.ShardInfo(world - 1, world, world - 1)
+    side = read_metadata(out_dir / f"{last.name}.npy")
+    part = shard.own_part(corpus, last)
+    assert side["rows"] == {"part": [part.start, part.stop], "count": len(_share(corpus, world - 1, world))}
+    assert side["complete"] is True
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["world"] == world and manifest["input"]["size"] == corpus.stat().st_size
 
@@ -113,7 +131,7 @@ def test_resume_skips_complete_shards_and_redoes_crashed_ones(tmp_path, corpus):
     assert (out_dir / "shard-00000-of-00002.npy").stat().st_mtime_ns == mtime
     resumed = FakeEncoder()
     assert shard.embed_shard(resumed, corpus, out_dir, info1, SETTINGS) is not None
-    assert resumed.seen == 11
+    assert resumed.seen == len(_share(corpus, 1, 2))
     np.testing.assert_array_equal(np.load(shard.merge_shards(out_dir)), FakeEncoder()(_texts(corpus)))
 
 
@@ -261,7 +279,7 @@ def test_a_corrupted_shard_is_named_at_merge_and_recomputed_on_resume(tmp_path, 
     again = FakeEncoder()
     with pytest.warns(UserWarning, match="recomputing shard-00001-of-00002"):
         assert shard.embed_shard(again, corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS) is not None
-    assert again.seen == 11  # the damaged shard is recomputed, not skipped
+    assert again.seen == len(_share(corpus, 1, 2))  # the damaged shard is recomputed, not skipped
     merged = shard.merge_shards(out_dir)
     np.testing.assert_array_equal(read_embeddings(merged)[0], FakeEncoder()(_texts(corpus)))
 
@@ -284,8 +302,13 @@ def test_reordered_input_rows_are_a_different_run(tmp_path, corpus):
     lines = corpus.read_text().splitlines(keepends=True)
     corpus.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same size
     os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same modification time
-    with pytest.raises(ValueError, match=r"different run \(input differ\)"):
-        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS)
+    # rank 1 reads only its own, unchanged share; rank 0's complete shard is refused on resume
+    # (its share's texts changed) and the merge refuses to mix them
+    shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS)
+    with pytest.raises(ValueError, match=r"different run \(input differ: the rows of shard-00000-of-00002"):
+        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS)
+    with pytest.raises(ValueError, match=r"shards disagree on the input texts \(shard-00000-of-00002\.npy"):
+        shard.merge_shards(out_dir)
 
 
 def test_the_merge_records_the_texts_digest_and_refuses_shards_that_disagree(tmp_path, corpus):
@@ -306,3 +329,30 @@ def test_the_merge_records_the_texts_digest_and_refuses_shards_that_disagree(tmp
     with pytest.raises(FileExistsError, match="already exists; pass --overwrite"):
         one.write_text(json.dumps(meta))
         shard.merge_shards(out_dir, overwrite=False)
+
+
+def test_parquet_input_is_shared_by_row_groups_and_merges_to_parquet(tmp_path, corpus):
+    """Parquet input: each process reads only its row groups; the merge can write a Parquet folder
+    (row, text, embedding) that reads back in input order, with the whole input's texts digest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moee.io import texts_digest
+
+    texts = _texts(corpus)
+    source = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": texts}), source, row_group_size=5)  # 5 row groups
+    out_dir = tmp_path / "shards"
+    for rank in range(3):
+        shard.embed_shard(FakeEncoder(), source, out_dir, shard.ShardInfo(rank, 3, rank), SETTINGS)
+    counts = [read_metadata(out_dir / f"{shard.shard_name(r, 3)}.npy")["rows"] for r in range(3)]
+    assert counts == [
+        {"part": [0, 1], "count": 5},
+        {"part": [1, 3], "count": 10},
+        {"part": [3, 5], "count": 8},
+    ]
+    folder = shard.merge_shards(out_dir, tmp_path / "merged")
+    arr, meta = read_embeddings(folder)
+    np.testing.assert_array_equal(arr, FakeEncoder()(texts))
+    assert meta["texts_sha256"] == texts_digest(texts)[0] and meta["shape"] == [23, 4]
+    np.testing.assert_array_equal(read_embeddings(shard.merge_shards(out_dir))[0], arr)

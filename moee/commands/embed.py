@@ -10,13 +10,14 @@ the sidecar records the configuration used, and digests of what the rows depend 
 (``texts_sha256``), the model's weights (``weights_digest``) and a reference's statistics
 (``reference_sha256``), and of its own content (``sidecar_sha256``); `moee search` checks them.
 
-Every input is checked before the model loads (the whole input is read once, which also gives
+Every input is checked before the model loads (read once, a sharded process its own share only, which also gives
 the progress bar its total), the layer choice right after (against the model's layer counts);
 an existing ``--out`` is refused without ``--overwrite``; one run at a time writes an output (a
 second run to the same ``--out`` is refused at once), through a temporary name, and commits the
 array and its sidecar as a pair.
 
-Sharded over processes or GPUs (each process embeds rows ``i % world == rank``; see
+Sharded over processes or GPUs (each process reads and embeds only its contiguous share of the
+input: a byte range of a text file aligned to line starts, or Parquet row groups; see
 ``moee.shard``); rank 0 merges into ``DIR/embeddings.npy`` when all shards are done, and a
 rerun after a crash resumes, skipping complete shards::
 
@@ -24,6 +25,12 @@ rerun after a crash resumes, skipping complete shards::
     torchrun --nproc_per_node 2 -m moee.cli embed corpus.txt --out DIR --sharded      # CPU too
     moee embed corpus.txt --out DIR --sharded --shard-rank 3 --num-shards 16          # e.g. SLURM arrays
     moee embed --merge DIR --out corpus.npy
+    moee embed --merge DIR --out corpus-parquet/        # Parquet files (row, text, embedding)
+
+On a Ray cluster (the ``moee[ray]`` extra; ``moee.integrations.ray``), INPUT a file, folder or
+glob, --out a folder of Parquet files with the sidecar ``_embeddings.json``::
+
+    moee embed --engine ray "corpus/*.jsonl" --out emb/ --concurrency 8 --address auto
 
 (`accelerate launch --multi_gpu` also starts N processes on a machine without GPUs; its
 `--cpu` mode starts one process unless given an MPI hostfile, so use torchrun for CPU shards.)
@@ -48,10 +55,12 @@ from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
 from moee.io import (
     TextsDigest,
+    check_output_folder,
     check_output_path,
     output_lock,
     probe_writable,
     read_metadata,
+    read_parquet_sidecar,
     read_texts,
     run_metadata,
 )
@@ -97,6 +106,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_CHUNK,
         help="texts read and embedded at a time (bounds memory; sorting by length happens within a chunk)",
+    )
+    engine = p.add_argument_group("Ray (--engine ray; the moee[ray] extra, docs/SCALING.md)")
+    engine.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this process (or --sharded processes); ray: an actor pool on a Ray cluster, "
+        "INPUT a file, folder or glob of .jsonl/.parquet/.txt, --out a folder of Parquet files",
+    )
+    engine.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+    engine.add_argument("--concurrency", type=int, default=1, help="Ray actors (model copies)")
+    engine.add_argument(
+        "--num-gpus", type=float, default=None, help="GPUs per Ray actor (default: 1 if the cluster has GPUs)"
+    )
+    engine.add_argument(
+        "--id-field", default=None, help="input column kept beside row and text in the Parquet output"
     )
     shard = p.add_argument_group("sharding (multi-process / multi-GPU)")
     shard.add_argument(
@@ -205,10 +230,15 @@ def check_output_dir(path: str | Path) -> Path:
     return path
 
 
-def count_texts(path: str | Path, field: str | None) -> int:
-    """Read the whole input once before any work: a bad row anywhere is found before the model
-    loads, and the progress bar gets its total."""
-    return sum(1 for _ in read_texts(path, field=field))
+def count_texts(path: str | Path, field: str | None, info: Any = None) -> int:
+    """Read the input once before any work (a sharded process: only its share, see
+    ``moee.shard.read_own_texts``): a bad row is found before the model loads, and the progress
+    bar gets its total."""
+    from moee import shard
+
+    if info is None:
+        return sum(1 for _ in read_texts(path, field=field))
+    return sum(1 for _ in shard.read_own_texts(path, info, field))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,7 +247,10 @@ def run(args: argparse.Namespace) -> int:
     if args.merge is not None:
         if args.input is not None or args.sharded:
             raise ValueError("--merge DIR takes no INPUT and no --sharded; it only merges existing shards")
-        check_output_file(args.out, overwrite=args.overwrite)
+        if Path(args.out).suffix == ".npy":
+            check_output_file(args.out, overwrite=args.overwrite)
+        else:  # a folder of Parquet files (row, text, embedding) with its sidecar
+            check_output_folder(args.out, overwrite=args.overwrite)
         out = shard.merge_shards(args.merge, args.out, overwrite=args.overwrite)
         _log(f"merged {args.merge} into {out}")
         return 0
@@ -227,6 +260,10 @@ def run(args: argparse.Namespace) -> int:
     chunk_size = check_positive_int("--chunk-size", args.chunk_size)
     config = embedding_config(args)
     settings = embedding_settings(args, config)
+    if args.engine == "ray":
+        return _embed_with_ray(args, config, settings, batch_size)
+    if args.id_field is not None or args.address is not None:
+        raise ValueError("--id-field/--address need --engine ray")
     read_texts(args.input, field=args.field)  # checks the path and field at once
 
     if not args.sharded:
@@ -248,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     if shard.prepare_shard_dir(out_dir, args.input, info, settings, field=args.field):
         _log(f"{info.name} is already complete in {out_dir}; skipping it")
     else:
-        total = count_texts(args.input, args.field)
+        total = count_texts(args.input, args.field, info)
         device = args.device or (None if args.device_map else shard.default_device(info))
         embedder = load_from_args(args, device=device)
         check_config_fits_model(embedder, config)
@@ -276,6 +313,42 @@ def run(args: argparse.Namespace) -> int:
             return 1
         out = shard.merge_shards(out_dir)
         _log(f"merged {info.world} shard(s) into {out}")
+    return 0
+
+
+def _embed_with_ray(
+    args: argparse.Namespace, config: EmbeddingConfig, settings: dict[str, Any], batch_size: int
+) -> int:
+    """``--engine ray`` (``moee.integrations.ray.embed_files``): the configuration resolved here is
+    passed to the actors in full, so they embed exactly what the sidecar records."""
+    from dataclasses import fields
+
+    from moee.cli_options import load_options
+
+    if args.sharded or args.shard_rank is not None or args.num_shards is not None:
+        raise ValueError("--engine ray shards by itself; drop --sharded/--shard-rank/--num-shards")
+    try:
+        from moee.integrations.ray import embed_files
+    except ImportError as exc:
+        raise ImportError(f"--engine ray needs Ray: pip install 'moee[ray]' ({exc})") from None
+    load = {f.name: getattr(load_options(args), f.name) for f in fields(load_options(args))}
+    out = embed_files(
+        args.input,
+        args.out,
+        model=args.model,
+        config={f.name: getattr(config, f.name) for f in fields(config)},
+        load=load,
+        settings=settings,
+        field=args.field,
+        id_field=args.id_field,
+        batch_size=batch_size,
+        concurrency=check_positive_int("--concurrency", args.concurrency),
+        num_gpus=args.num_gpus,
+        address=args.address,
+        overwrite=args.overwrite,
+    )
+    shape = tuple(read_parquet_sidecar(out)["shape"])
+    _log(f"wrote {out} {shape}")
     return 0
 
 

@@ -34,7 +34,15 @@ from moee.commands.embed import check_config_fits_model
 from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
 from moee.index import KINDS, VectorIndex
-from moee.io import check_output_path, output_lock, read_embeddings, read_texts, texts_digest
+from moee.io import (
+    check_output_path,
+    is_parquet_embeddings,
+    output_lock,
+    read_embeddings,
+    read_parquet_embeddings,
+    read_texts,
+    texts_digest,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,8 +52,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--embeddings", required=True, help="corpus embeddings .npy written by `moee embed`")
-    p.add_argument("--texts", required=True, help="the corpus file the embeddings were made from")
+    p.add_argument(
+        "--embeddings",
+        required=True,
+        help="corpus embeddings written by `moee embed`: a .npy, or a Parquet folder (--engine ray)",
+    )
+    p.add_argument(
+        "--texts",
+        default=None,
+        help="the corpus file the embeddings were made from (a Parquet folder holds its texts: optional)",
+    )
     p.add_argument(
         "--field", default=None, help="JSON key / parquet column of --texts (default: as recorded)"
     )
@@ -227,7 +243,12 @@ def run(args: argparse.Namespace) -> int:
     config = EmbeddingConfig.from_dict(meta)
     # every input is checked before the model loads and before any index is built or written
     field = args.field if args.field is not None else meta.get("field")
-    check_corpus_texts(args.texts, meta, field=field, embeddings=args.embeddings)
+    if args.texts is None and not is_parquet_embeddings(args.embeddings):
+        raise ValueError(
+            f"--texts is required for {args.embeddings}: give the corpus file it was embedded from"
+        )
+    if args.texts is not None:
+        check_corpus_texts(args.texts, meta, field=field, embeddings=args.embeddings)
     check_reference(config, meta, args.embeddings)
     if args.save_index:
         check_output_path(args.save_index, overwrite=args.overwrite, what="--save-index")
@@ -263,7 +284,11 @@ def run(args: argparse.Namespace) -> int:
     scores, ids = index.search(encode(queries), k)
 
     wanted = {int(i) for i in ids.ravel() if i >= 0}
-    texts = corpus_texts(args.texts, wanted, field=field, expected_rows=embeddings.shape[0])
+    if args.texts is None:  # the folder's own text column, checked against its texts_sha256 on read
+        column = read_parquet_embeddings(args.embeddings)[2]
+        texts = {i: column[i] for i in wanted}
+    else:
+        texts = corpus_texts(args.texts, wanted, field=field, expected_rows=embeddings.shape[0])
     out = sys.stdout
     for query, row_scores, row_ids in zip(queries, scores, ids):
         hits = [

@@ -1,0 +1,1 @@
+"""Adapters to distributed data engines (optional extras): ``moee.integrations.ray`` (``moee[ray]``)."""
