@@ -95,7 +95,8 @@ def test_top_contexts_keep_the_strongest_positions(hand_made):
     _, rep = hand_made
     ctx = rep["experts"][0][0]["top_contexts"]  # L0 e0: probs 0.7 (pos 0), 0.6 (pos 2), 0.2, 0.1
     assert [c["prob"] for c in ctx] == pytest.approx([0.7, 0.6])
-    assert ctx[0] == {"prob": pytest.approx(0.7), "text_index": 0, "left": "", "token": "w5", "right": "w6"}
+    # the tokenizer's own spacing is kept: the neighbour's leading space belongs to it
+    assert ctx[0] == {"prob": pytest.approx(0.7), "text_index": 0, "left": "", "token": "w5", "right": " w6"}
     assert ctx[1]["left"] == "w6" and ctx[1]["right"] == ""
     ctx = rep["experts"][1][1]["top_contexts"]  # L1 e1: 0.4 from text 1 beats 0.25 / 0.2
     assert ctx[0]["text_index"] == 1 and ctx[0]["prob"] == pytest.approx(0.4)
