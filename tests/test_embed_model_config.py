@@ -135,7 +135,9 @@ def test_a_copy_of_the_bundled_folder_behaves_exactly_like_the_original(bundled,
     copy = tmp_path / "somewhere" / "my-model"
     shutil.copytree(DEFAULT_MODEL_DIR, copy)
     other = MoEEmbedder.from_pretrained(copy, device="cpu")
-    assert other.model_config == EmbeddingConfig(pooling="mean", reference=str(copy / "reference.safetensors"))
+    assert other.model_config == EmbeddingConfig(
+        pooling="mean", reference=str(copy / "reference.safetensors")
+    )
     assert bundled.model_config.replace(reference=None) == EmbeddingConfig(pooling="mean")
     np.testing.assert_array_equal(other.encode(TEXTS), bundled.encode(TEXTS))
     np.testing.assert_array_equal(other.encode(TEXTS, method="rw"), bundled.encode(TEXTS, method="rw"))
@@ -148,7 +150,9 @@ def test_save_pretrained_round_trips_the_bundled_model(bundled, tmp_path):
     assert (out / MODEL_CONFIG_FILE).is_file() and list(out.glob("*.safetensors"))
     assert not list(out.glob("*.bin"))
     again = MoEEmbedder.from_pretrained(out, device="cpu")
-    assert again.default_config == bundled.default_config.replace(reference=str(out / "reference.safetensors"))
+    assert again.default_config == bundled.default_config.replace(
+        reference=str(out / "reference.safetensors")
+    )
     np.testing.assert_array_equal(again.encode(TEXTS), bundled.encode(TEXTS))
     np.testing.assert_array_equal(
         again.encode(TEXTS, config=EmbeddingConfig.paper()),
