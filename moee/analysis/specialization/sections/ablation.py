@@ -205,13 +205,13 @@ def _render(report: dict, page: Page) -> str:
         ["rank", "layer:expert", "load", "importance", "null", "excess", "load rank"],
         [
             [
-                esc(str(r.get("importance_rank", "-"))),
+                r["importance_rank"] if isinstance(r.get("importance_rank"), int) else "-",
                 f"{int(r['layer'])}:{int(r['expert'])}",
                 f"{r['load']:.3f}",
                 _sci(r["delta"]),
                 _sci(r.get("null")),
                 _sci(r.get("excess")),
-                esc(str(r.get("load_rank", "-"))),
+                r["load_rank"] if isinstance(r.get("load_rank"), int) else "-",
             ]
             for r in top
         ],
@@ -231,6 +231,16 @@ def _render(report: dict, page: Page) -> str:
         )
         + ".</p>"
     )
+    largest = [f for f in sup.get("largest") or [] if isinstance(f, dict) and _number(f.get("over_median"))]
+    if largest:
+        super_text = super_text[: -len("</p>")] + (
+            " Largest activations over the median: "
+            + ", ".join(
+                f"{esc(str(f.get('layer')))}:{esc(str(f.get('expert')))} ({f['over_median']:.1f}x)"
+                for f in largest[:5]
+            )
+            + ".</p>"
+        )
     domains = ab.get("domains") or {}
     return (
         "<p class='lead'>Causal importance (from <code>moee ablate</code>, "
@@ -242,7 +252,7 @@ def _render(report: dict, page: Page) -> str:
             "The null is what disabling an expert of the same load costs when which expert it is does not "
             "matter: each token, with probability the expert's load, loses one of its k selected experts "
             "drawn at random (same layer, same mode); the excess is importance minus null "
-            f"({esc(str(ab.get('null')))}). {beyond} of {len(rows)} experts cost more than their null. "
+            f"(as the ablation records it: {esc(str(ab.get('null')))}). {beyond} of {len(rows)} experts cost more than their null. "
             if has_null
             else "The load-matched null was not run (<code>--no-null</code>). "
         )
