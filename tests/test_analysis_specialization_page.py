@@ -179,6 +179,47 @@ def _fill_new_sections(rep: dict, rng: np.random.Generator) -> None:
             "random_baseline": {"top1": 1 / E, "topk": K / E},
         },
     )
+    rep.setdefault("ablation", ablation_part(rng))
+
+
+def ablation_part(rng: np.random.Generator, source: str = HOSTILE[0]) -> dict:
+    """An ablation section (what ``ablation_section`` returns) with user text in its strings."""
+    experts = [
+        {
+            "layer": layer,
+            "expert": e,
+            "load": float(rng.uniform(0.1, 0.5)),
+            "delta": float(rng.normal(0.01, 0.01)),
+            "null": float(rng.normal(0.005, 0.002)),
+            "excess": float(rng.normal(0.005, 0.01)),
+            "importance_rank": layer * E + e + 1,
+            "load_rank": layer * E + e + 1,
+            "max_activation": 1.0,
+        }
+        for layer in range(L)
+        for e in range(E)
+    ]
+    return {
+        "available": True,
+        "reason": None,
+        "source": source,
+        "model": HOSTILE[1],
+        "weights_digest": None,
+        "command": "moee ablate",
+        "mode": HOSTILE[2],
+        "renormalize": False,
+        "n_tokens": 40,
+        "domains": {HOSTILE[3]: 40},
+        "base_loss": 5.0,
+        "null": "load-matched " + HOSTILE[0],
+        "experts": experts,
+        "spearman_importance_load": {
+            "pooled": 0.2,
+            "pooled_excess": -0.1,
+            "by_layer": {str(i): 0.1 * i for i in range(L)},
+        },
+        "super_experts": {"ratio": 10.0, "flagged": [{"layer": 0, "expert": 1}], "delta": 0.5},
+    }
 
 
 def embedded_payloads(page: str) -> list[dict]:

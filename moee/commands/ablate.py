@@ -217,7 +217,13 @@ def run(args: argparse.Namespace) -> int:
         per_domain_tokens=args.per_domain_tokens,
     )
     command = shlex.join(command_line(args))
-    meta = {**run_metadata(command_line(args)), "model": args.model or "bundled default model"}
+    from moee.embed.reference import weights_digest
+
+    meta = {
+        **run_metadata(command_line(args)),
+        "model": args.model or "bundled default model",
+        "weights_digest": weights_digest(embedder),  # what `moee report --ablation` checks
+    }
     if args.swap_from:
         from moee.cli_options import load_options
         from moee.loading import load_model

@@ -15,11 +15,14 @@ applied to the same forward), router entropy and KL to uniform, cross-layer expe
 domain JSD, co-activation heatmaps and a token view (docs/SPECIALIZATION.md defines each).
 ``--checkpoints A B C`` adds router saturation: each checkpoint's top-1 / top-k overlap with the
 final one's on the same tokens (paths, Hub ids or ``name@revision``; the report is of the final
-checkpoint unless ``--model`` is given). ``--compare MODEL_B`` builds B's report on the same
+checkpoint unless ``--model`` is given). ``--ablation DIR`` adds the causal expert importance of a ``moee ablate`` run of this model (its
+``--out`` folder or ``importance.json``; the report cannot run the ablation's forward passes):
+checked with the other inputs, and refused when it is an ablation of another model.
+``--compare MODEL_B`` builds B's report on the same
 corpus into the same report.json (``compare``), with the differences and B's selection overlap.
 
 Every input is checked before the first model is routed (the output folder, each model path or
-Hub id, the corpus: read through once, and not only empty texts). ``--out`` is a folder of its
+Hub id, the corpus: read through once, and not only empty texts, the ablation file). ``--out`` is a folder of its
 own: an existing report there needs ``--overwrite``. Both files are written into a hidden folder
 beside it and renamed into place together, so a killed run never leaves a new report.json beside
 an old report.html.
@@ -64,6 +67,13 @@ def register(subparsers) -> None:
         type=int,
         default=65536,
         help="tokens (first texts) on which saturation / comparison overlaps are measured (default: 65536)",
+    )
+    p.add_argument(
+        "--ablation",
+        default=None,
+        metavar="DIR_OR_JSON",
+        help="a `moee ablate` result of this model (its --out folder or importance.json) for the "
+        "causal expert-importance section",
     )
     p.add_argument("--token-view-texts", type=int, default=8, help="texts in the token view (default: 8)")
     p.add_argument(
@@ -113,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         write_report,
     )
     from moee.analysis.specialization.report import check_corpus, check_report_folder
+    from moee.analysis.specialization.sections.ablation import ablation_section, read_ablation
     from moee.embed.embedder import MoEEmbedder
     from moee.io import run_metadata
     from moee.loading import LoadOptions
@@ -134,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     total = check_corpus(
         args.corpus, text_field=args.field, domain_field=args.domain_field, max_texts=args.max_texts
     )
+    ablated = None if args.ablation is None else read_ablation(args.ablation)
 
     def corpus():
         return read_corpus(args.corpus, text_field=args.field, domain_field=args.domain_field)
@@ -188,9 +200,23 @@ def run(args: argparse.Namespace) -> int:
         )
         if embedder is None:
             embedder = load(saturation["final"])
+    ablation = None
+    if ablated is not None:  # against the report's model before its texts are routed
+        from moee.embed.reference import weights_digest
+
+        recorded = (ablated.get("meta") or {}).get("weights_digest")
+        ablation = ablation_section(
+            ablated,
+            model=args.model if args.model is not None or saturation is None else saturation["final"],
+            n_layers=int(embedder.n_moe_layers),
+            n_experts=int(embedder.n_experts),
+            weights_digest=weights_digest(embedder) if recorded is not None else None,
+        )
     report = build_report(embedder, corpus(), **settings)
     if saturation is not None:
         report["saturation"] = saturation
+    if ablation is not None:
+        report["ablation"] = ablation
     report["meta"] = {
         **run_metadata(command_line(args)),
         "corpus": str(args.corpus),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moee.analysis.specialization.sections import (
+    ablation,
     baselines,
     coactivation,
     cross_layer,
@@ -61,6 +62,7 @@ SECTIONS: tuple[Section, ...] = (
     saturation.SECTION,
     token_specialization.SECTION,
     experts.SECTION,
+    ablation.SECTION,
     vocabulary.SECTION,
     domains.SECTION,
     coactivation.SECTION,
