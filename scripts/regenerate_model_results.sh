@@ -5,14 +5,14 @@
 # digest, so old ones would only sit beside the new).
 #
 #   scripts/regenerate_model_results.sh [STEP...]   (default: all; steps: isotropy offline recipes
-#                                                    routes card overlap stability report fixture)
+#                                                    routes card overlap stability ablate report fixture)
 # CPU only, about 1.5 hours on 2 shared cores (the report and the recipes take most of it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PY=${PYTHON:-python}
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(isotropy offline recipes routes card overlap stability report fixture)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(isotropy offline recipes routes card overlap stability ablate report fixture)
 for step in "${STEPS[@]}"; do
   echo "== $step" >&2
   case "$step" in
@@ -39,9 +39,12 @@ for step in "${STEPS[@]}"; do
       $PY -m moee.cli report --model moee/assets/default-model --corpus moee/assets/default-model/heldout.jsonl \
         --domain-field source --checkpoints build/default-model-ctx128 build/train_default_ctx256/step_00000350 \
         build/train_default_ctx256/step_00000375 build/train_default_ctx256/step_00000400 \
-        --overlap-tokens 16384 --out analysis/specialization --overwrite
+        --overlap-tokens 16384 --ablation analysis/ablation_experts --out analysis/specialization --overwrite
       $PY -m moee.cli report --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
         --compare build/upcycled-minilm --overlap-tokens 16384 --out analysis/specialization/compare --overwrite ;;
+    ablate)
+      $PY -m moee.cli ablate --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
+        --max-tokens 720 --per-domain-tokens 80 --batch-size 32 --out analysis/ablation_experts --overwrite ;;
     fixture) $PY -c "import tests.test_bundled_model_outputs as t; t.write_fixture()" ;;
     *) echo "regenerate_model_results.sh: unknown step '$step'" >&2; exit 2 ;;
   esac

@@ -490,7 +490,7 @@ def ablate_section(a: dict | None) -> tuple[list[str], list[list[str]]]:
     title = "## 10. Expert ablation cost (`scripts/bench_ablate.py`)"
     if a is None:
         return [title, "", _not_run("ablate")], [
-            ["9", "moee ablate: seconds per expert", "—", "not run", "—"]
+            ["10", "moee ablate: seconds per expert", "—", "not run", "—"]
         ]
     med, cpu, ratio = a["median_s"], a["median_cpu_s"], a["ratio_to_plain"]
     rows = [
@@ -519,7 +519,7 @@ def ablate_section(a: dict | None) -> tuple[list[str], list[list[str]]]:
         "",
     ]
     measured = f"{a['per_expert_cpu_s']:.2f} CPU s / {a['tokens']:,} tokens"
-    return lines, [["9", "moee ablate: cost per expert (disabled + null)", "—", measured, "—"]]
+    return lines, [["10", "moee ablate: cost per expert (disabled + null)", "—", measured, "—"]]
 
 
 def gpu_section(g: dict | None) -> list[str]:
