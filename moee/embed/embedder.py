@@ -66,6 +66,7 @@ from moee.embed.recipes import (
     combine_features,
     recipe_hooks,
     recipe_spec,
+    resolve_rw_layers,
     rw_layer_indices,
     select_hs,
     select_rw,
@@ -790,18 +791,18 @@ class MoEEmbedder:
                 recipe=config.recipe,
             )
             hs = trace.hs if config.hs_layer is None else select_hs(trace.hs_all_layers, config.hs_layer)
-            if config.rw_layers is None:
-                rw = trace.rw
-            else:  # weights after the z-scores: standardising weighted layers would undo the weights
-                rw = select_rw(trace.rw, config.rw_layers, weighted=False)
+            n_layers = trace.rw.shape[1]
+            # the named layers (model order); their weights after the z-scores, which would undo them
+            layers = (
+                None
+                if config.rw_layers is None
+                else [i for i, _ in resolve_rw_layers(config.rw_layers, n_layers)]
+            )
+            rw = trace.rw if layers is None else select_rw(trace.rw, config.rw_layers, weighted=False)
             if reference is not None:
-                layers = rw_layer_indices(config.rw_layers)
-                n_layers = trace.rw.shape[1]
-                hs, rw = reference.apply(
-                    hs, rw, rw_layers=None if layers is None else sorted(i % n_layers for i in layers)
-                )
+                hs, rw = reference.apply(hs, rw, rw_layers=layers)
             if config.rw_layers is not None:
-                rw = weigh_rw(rw, config.rw_layers, trace.rw.shape[1])
+                rw = weigh_rw(rw, config.rw_layers, n_layers)
             hs_out.append(hs)
             rw_out.append(rw)
         return np.stack(hs_out, axis=1), np.stack(rw_out, axis=1)
