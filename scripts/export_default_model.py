@@ -149,16 +149,21 @@ STAGE_KEYS = (
 )
 
 
+def init_metrics(cfg: dict) -> dict | None:
+    """The metrics.json of the exported model a run continued from (``init.from``), if it has one."""
+    start = (cfg.get("init") or {}).get("from")
+    metrics = Path(start) / "metrics.json" if start else None
+    return json.loads(metrics.read_text()) if metrics is not None and metrics.is_file() else None
+
+
 def earlier_stages(cfg: dict) -> list[dict]:
     """The stages before this run: a run continued (``init.from``) from an exported model brings that
     export's metrics.json, whose own ``earlier_stages`` come first (oldest first)."""
-    start = (cfg.get("init") or {}).get("from")
-    metrics = Path(start) / "metrics.json" if start else None
-    if metrics is None or not metrics.is_file():
+    prior = init_metrics(cfg)
+    if prior is None:
         return []
-    prior = json.loads(metrics.read_text())
     stage = {k: prior.get(k) for k in STAGE_KEYS}
-    stage["exported_to"] = str(start)
+    stage["exported_to"] = str(cfg["init"]["from"])
     stage["heldout_loss"] = prior.get("heldout", {}).get("loss")
     return [*prior.get("earlier_stages", []), stage]
 
@@ -544,11 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         "exported_at": _utc(),
     }
     metrics["earlier_stages"] = earlier_stages(cfg)
-    if previous is None:  # the previous bundled model, as an earlier stage's export measured it
-        prior = Path(cfg.get("init", {}).get("from") or "") / "metrics.json"
-        if prior.is_file() and json.loads(prior.read_text()).get("previous"):
-            earlier = json.loads(prior.read_text())
-            metrics["previous"] = {**earlier["previous"], "seq_len": earlier["seq_len"]}
+    earlier = init_metrics(cfg)
+    if previous is None and earlier and earlier.get("previous"):
+        # the previous bundled model, as the earlier stage's export measured it
+        metrics["previous"] = {**earlier["previous"], "seq_len": earlier["seq_len"]}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "README.md").write_text(build_card(metrics))
     if not args.no_bench_note:
