@@ -24,6 +24,13 @@ the loss change of disabling the flagged experts together is reported.
 Cost: one forward pass over the corpus per disabled expert and one per null (``2 L E`` passes
 for all experts; ``--no-null`` halves it), plus the baseline (which also runs every expert once
 more on its own tokens for the activation scores). ``scripts/bench_ablate.py`` measures it.
+
+Router swap (:func:`router_swap`) of layer ``l``: the loss change when its router is the donor's,
+beside the null of its own router with the expert order permuted (same loads, assignment gone), so
+a swap reads as "the donor's router costs X of the Y a scrambled router costs"
+(``recovered`` = 1 - X/Y). Steering (:func:`steering_effect`): KL of the next-token distribution,
+embedding cosine and selection rates under logit biases, beside the same biases on random other
+experts of the same layers (:func:`null_biases`). Both cost ``1 + null_draws`` passes per row.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from moee.capture.interventions import (
     disable_experts,
     drop_assignments,
     moe_block,
+    permute_router,
     swap_routers,
 )
 from moee.capture.recorder import RoutingRecorder
@@ -55,11 +63,13 @@ from moee.capture.registry import RouterSpec, find_routers
 __all__ = [
     "DEFAULT_DOMAIN",
     "LossCorpus",
+    "NULL_DRAWS",
     "Baseline",
     "baseline",
     "build_corpus",
     "expert_importance",
     "intervention_loss",
+    "null_biases",
     "read_corpus",
     "router_swap",
     "spearman",
@@ -503,40 +513,193 @@ def super_experts(
     return result
 
 
+#: Null draws of the router swap and of steering (permutations / random expert sets), by default.
+NULL_DRAWS = 3
+
+
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    """Mean, standard deviation (population) and the draws themselves."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    return {"mean": float(t.mean()), "std": float(t.std(unbiased=False)), "draws": [float(v) for v in values]}
+
+
 def router_swap(
     model: nn.Module,
     donor: nn.Module,
     corpus: LossCorpus,
     *,
+    null: bool = True,
+    null_draws: int = NULL_DRAWS,
+    seed: int = 0,
     batch_size: int = 16,
     base: Baseline | None = None,
 ) -> dict[str, Any]:
     """Loss change (nats/token, overall and per domain) when one MoE layer's router, then every
-    layer's, comes from ``donor`` (same architecture)."""
+    layer's, comes from ``donor`` (same architecture), beside its null: the same layer(s) routed by
+    their own router with the expert order permuted (:func:`moee.capture.interventions.permute_router`,
+    ``null_draws`` derangements, draw ``j`` of layer ``i`` seeded ``seed + 1000 j + i``; the "all" row
+    permutes every layer with the same permutations). ``recovered`` = 1 - delta / null (null > 0):
+    the share of a scrambled router's cost the donor's router does not pay."""
+    if null and null_draws < 1:
+        raise ValueError(f"null_draws must be at least 1, got {null_draws}")
     specs = find_routers(model)
     base = base or baseline(model, corpus, batch_size=batch_size, routers=specs)
     rows = []
     for layer in [*range(len(specs)), None]:
+        layers = None if layer is None else [layer]
         loss = intervention_loss(
-            model,
-            corpus,
-            partial(swap_routers, model, donor, None if layer is None else [layer], routers=specs),
-            batch_size=batch_size,
+            model, corpus, partial(swap_routers, model, donor, layers, routers=specs), batch_size=batch_size
         )
         delta, by_domain = _effect(base, loss)
-        rows.append(
-            {
-                "layer": "all" if layer is None else layer,
-                "router": "all" if layer is None else specs[layer].name,
-                "delta": delta,
-                "delta_by_domain": by_domain,
+        row: dict[str, Any] = {
+            "layer": "all" if layer is None else layer,
+            "router": "all" if layer is None else specs[layer].name,
+            "delta": delta,
+            "delta_by_domain": by_domain,
+        }
+        if null:
+            effects = [
+                _effect(
+                    base,
+                    intervention_loss(
+                        model,
+                        corpus,
+                        partial(permute_router, model, layers, seed=seed + 1000 * j, routers=specs),
+                        batch_size=batch_size,
+                    ),
+                )
+                for j in range(null_draws)
+            ]
+            spread = _spread([d for d, _ in effects])
+            row["null"], row["null_std"] = spread["mean"], spread["std"]
+            row["null_by_domain"] = {
+                d: sum(by[d] for _, by in effects) / len(effects) for d in base.domain_names
             }
-        )
+            row["recovered"] = 1.0 - delta / row["null"] if row["null"] > 0 else None
+        rows.append(row)
     return {
         "n_tokens": len(base.losses),
         "base": {"loss": float(base.losses.double().mean()), "loss_by_domain": base.by_domain(base.losses)},
+        "layers": [s.name for s in specs],
+        "n_experts": [s.n_experts for s in specs],
+        "null": (
+            f"permuted router: the layer's own router with its expert order deranged (mean of {null_draws} "
+            f"seeded draws, seed {seed}): the same loads, every token sent to other experts"
+            if null
+            else None
+        ),
+        "seed": seed,
+        "null_draws": null_draws if null else 0,
         "swaps": rows,
     }
+
+
+def null_biases(
+    biases: dict[tuple[int, int], float],
+    n_experts: Sequence[int],
+    *,
+    draws: int = NULL_DRAWS,
+    seed: int = 0,
+) -> list[dict[tuple[int, int], float]]:
+    """The steering null's bias sets: draw ``j`` (generator seeded ``seed + j``) moves each layer's
+    biases onto as many distinct experts of that layer drawn uniformly from those not steered there
+    (layers in increasing order, biases in the order given)."""
+    by_layer: dict[int, list[tuple[int, float]]] = {}
+    for (layer, expert), value in biases.items():
+        by_layer.setdefault(int(layer), []).append((int(expert), float(value)))
+    for layer, pairs in by_layer.items():
+        if not 0 <= layer < len(n_experts):
+            raise ValueError(f"MoE layer {layer} out of range: the model has {len(n_experts)} MoE layers")
+        if 2 * len(pairs) > n_experts[layer]:
+            raise ValueError(
+                f"MoE layer {layer}: {len(pairs)} steered experts of {n_experts[layer]} leave too few others "
+                "for the null; steer fewer experts there"
+            )
+    out = []
+    for j in range(draws):
+        generator = torch.Generator().manual_seed(seed + j)
+        drawn: dict[tuple[int, int], float] = {}
+        for layer in sorted(by_layer):
+            steered = {e for e, _ in by_layer[layer]}
+            others = [e for e in range(n_experts[layer]) if e not in steered]
+            pick = torch.randperm(len(others), generator=generator)[: len(by_layer[layer])].tolist()
+            for (_, value), k in zip(by_layer[layer], pick):
+                drawn[(layer, others[k])] = value
+        out.append(drawn)
+    return out
+
+
+def _steered_outputs(
+    embedder: Any,
+    corpus: LossCorpus,
+    texts: Sequence[str],
+    bias_sets: Sequence[dict[tuple[int, int], float]],
+    batch_size: int,
+) -> list[dict[str, Any]]:
+    """For each bias set: the mean KL(unsteered || steered) of the next-token distribution over
+    ``corpus`` tokens, each biased expert's selection rate before and after, and the cosines of the
+    texts' embeddings to their unsteered ones (one unsteered pass per batch, shared by every set)."""
+    import numpy as np
+
+    model, specs = embedder.model, embedder.routers
+    device = _input_device(model)
+    kl_sums, n = [0.0] * len(bias_sets), 0
+    counts = [{key: [0, 0] for key in biases} for biases in bias_sets]
+    n_real = 0
+
+    def run(ids, mask, biases):
+        context = bias_experts(model, biases, routers=specs) if biases is not None else nullcontext()
+        with context, RoutingRecorder(model, specs, pooling="tokens") as rec:
+            rec.set_batch(mask)
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            return logits.float().log_softmax(-1), rec.token_selection()
+
+    with torch.inference_mode():
+        for ids, mask in corpus.batches(batch_size):
+            real = mask.bool()
+            base_logp, base_sel = run(ids, mask, None)
+            n += int(real.sum())
+            n_real += int(real.sum())
+            for s, biases in enumerate(bias_sets):
+                logp, sel = run(ids, mask, biases)
+                kl = (base_logp.exp() * (base_logp - logp)).sum(-1).cpu()[real]
+                kl_sums[s] += float(kl.double().sum())
+                for layer, expert in biases:
+                    for j, picked in enumerate((base_sel, sel)):
+                        if picked is not None:
+                            counts[s][(layer, expert)][j] += int(
+                                (picked[real][:, layer] == expert).any(-1).sum()
+                            )
+
+    def unit(x):
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    plain = unit(embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=False))
+    out = []
+    for s, biases in enumerate(bias_sets):
+        with bias_experts(model, biases, routers=specs):
+            steered = unit(embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=False))
+        cosine = (plain * steered).sum(1)
+        rates = [
+            {"layer": i, "expert": e, "before": c[0] / max(n_real, 1), "after": c[1] / max(n_real, 1)}
+            for (i, e), c in counts[s].items()
+        ]
+        out.append(
+            {
+                "biases": [{"layer": i, "expert": e, "bias": float(v)} for (i, e), v in biases.items()],
+                "n_tokens": n,
+                "kl_next_token": kl_sums[s] / max(n, 1),
+                "selection_rate": rates,
+                "selection_shift": sum(r["after"] - r["before"] for r in rates) / max(len(rates), 1),
+                "embedding_cosine": {
+                    "n_texts": len(texts),
+                    "mean": float(cosine.mean()),
+                    "min": float(cosine.min()),
+                    "median": float(np.median(cosine)),
+                },
+            }
+        )
+    return out
 
 
 def steering_effect(
@@ -545,63 +708,44 @@ def steering_effect(
     texts: Sequence[str],
     biases: dict[tuple[int, int], float],
     *,
+    null: bool = True,
+    null_draws: int = NULL_DRAWS,
+    seed: int = 0,
     batch_size: int = 16,
 ) -> dict[str, Any]:
     """What biasing ``biases`` (``(layer, expert) -> logit bias``) does: the mean KL(unsteered ||
     steered) of the next-token distribution over ``corpus`` tokens (nats), the selection rate of
-    each biased expert before and after, and the cosine of each text's embedding
-    (``embedder.encode``, the model's own configuration) to its unsteered embedding."""
-    import numpy as np
-
-    model = embedder.model
+    each biased expert before and after (``selection_shift``: the mean of after - before), and the
+    cosine of each text's embedding (``embedder.encode``, the model's own configuration) to its
+    unsteered embedding; beside the null (``null``): the same biases on experts of the same layers
+    drawn at random (:func:`null_biases`, ``null_draws`` draws from ``seed``), each measured alike
+    (``null.draws``) with the mean and spread of each figure, and how many draws the steered
+    experts' KL exceeds."""
+    if null and null_draws < 1:
+        raise ValueError(f"null_draws must be at least 1, got {null_draws}")
     specs = embedder.routers
-    kl_sum, n = 0.0, 0
-    counts = {key: [0, 0] for key in biases}
-    n_real = 0
-    with torch.inference_mode():
-        for ids, mask in corpus.batches(batch_size):
-            device = _input_device(model)
-            picks = []
-            for steer in (False, True):
-                context = bias_experts(model, biases, routers=specs) if steer else nullcontext()
-                with context, RoutingRecorder(model, specs, pooling="tokens") as rec:
-                    rec.set_batch(mask)
-                    logits = model(
-                        input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
-                    ).logits
-                    picks.append(rec.token_selection())
-                if not steer:
-                    base_logp = logits.float().log_softmax(-1)
-                else:
-                    logp = logits.float().log_softmax(-1)
-            real = mask.bool()
-            kl = (base_logp.exp() * (base_logp - logp)).sum(-1).cpu()[real]
-            kl_sum += float(kl.double().sum())
-            n += int(kl.numel())
-            n_real += int(real.sum())
-            for key in biases:
-                layer, expert = key
-                for j, sel in enumerate(picks):
-                    if sel is not None:
-                        counts[key][j] += int((sel[real][:, layer] == expert).any(-1).sum())
-    plain = embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=False)
-    with bias_experts(model, biases, routers=specs):
-        steered = embedder.encode(list(texts), batch_size=batch_size, show_progress_bar=False)
-    a = plain / np.maximum(np.linalg.norm(plain, axis=1, keepdims=True), 1e-12)
-    b = steered / np.maximum(np.linalg.norm(steered, axis=1, keepdims=True), 1e-12)
-    cosine = (a * b).sum(1)
-    return {
-        "biases": [{"layer": i, "expert": e, "bias": float(v)} for (i, e), v in biases.items()],
-        "n_tokens": n,
-        "kl_next_token": kl_sum / max(n, 1),
-        "selection_rate": [
-            {"layer": i, "expert": e, "before": c[0] / max(n_real, 1), "after": c[1] / max(n_real, 1)}
-            for (i, e), c in counts.items()
-        ],
-        "embedding_cosine": {
-            "n_texts": len(texts),
-            "mean": float(cosine.mean()),
-            "min": float(cosine.min()),
-            "median": float(np.median(cosine)),
-        },
+    sets = [biases]
+    if null:
+        sets += null_biases(biases, [s.n_experts for s in specs], draws=null_draws, seed=seed)
+    measured = _steered_outputs(embedder, corpus, texts, sets, batch_size)
+    result = {
+        **measured[0],
+        "layers": [s.name for s in specs],
+        "n_experts": [s.n_experts for s in specs],
+        "null": None,
     }
+    if null:
+        draws = measured[1:]
+        result["null"] = {
+            "description": (
+                f"the same biases on other experts of the same layers drawn uniformly ({null_draws} seeded "
+                f"draws, seed {seed})"
+            ),
+            "seed": seed,
+            "kl_next_token": _spread([d["kl_next_token"] for d in draws]),
+            "embedding_cosine_mean": _spread([d["embedding_cosine"]["mean"] for d in draws]),
+            "selection_shift": _spread([d["selection_shift"] for d in draws]),
+            "kl_exceeds_draws": sum(1 for d in draws if result["kl_next_token"] > d["kl_next_token"]),
+            "draws": [{k: v for k, v in d.items() if k != "n_tokens"} for d in draws],
+        }
+    return result

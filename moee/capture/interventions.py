@@ -27,7 +27,9 @@ experts are ``(i, e)`` pairs.
   assignments as disabling that expert, spread over all experts.
 * :func:`swap_routers`: a layer's router (or every layer's) is replaced by the router of another
   model of the same architecture (another checkpoint): the hook returns the donor router's output
-  on the same input.
+  on the same input. Its null, :func:`permute_router`: the layer's own router with its expert order
+  permuted (a seeded derangement of its logits' columns): the same distribution of loads over the
+  experts, with every token sent to other experts than its own.
 
 How the logits are reached: a router that is an ``nn.Linear`` (or whose logits come from a child
 ``nn.Linear``, Gemma-4) gets a forward hook that edits that Linear's output. Any other router computes
@@ -60,6 +62,8 @@ __all__ = [
     "drop_assignments",
     "force_experts",
     "moe_block",
+    "permute_router",
+    "router_permutation",
     "swap_routers",
 ]
 
@@ -443,6 +447,54 @@ def swap_routers(
                 return theirs(*args, **kwargs)
 
             handles.append(specs[i].module.register_forward_hook(hook, with_kwargs=True, prepend=True))
+        return handles
+
+    with _hooked(make):
+        yield
+
+
+def router_permutation(n_experts: int, seed: int) -> torch.Tensor:
+    """A derangement of ``range(n_experts)`` drawn from a generator seeded with ``seed`` (uniform
+    permutations redrawn until none keeps an expert in place, so the draw is a function of ``seed``)."""
+    if n_experts < 2:
+        raise ValueError(f"a router of {n_experts} expert(s) has no other order to permute to")
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(n_experts, generator=generator)
+        if not bool((perm == torch.arange(n_experts)).any()):
+            return perm
+
+
+@contextlib.contextmanager
+def permute_router(
+    model: nn.Module,
+    layers: Iterable[int] | None = None,
+    *,
+    seed: int = 0,
+    routers: Sequence[RouterSpec] | None = None,
+) -> Iterator[None]:
+    """Route MoE layers ``layers`` (all when ``None``) with their own router's logits in a permuted
+    expert order: expert ``e`` gets the logit of expert ``perm[e]``, ``perm`` =
+    :func:`router_permutation` ``(E, seed + layer)``. The router then selects and weights by its own
+    rule, so the loads are the unpermuted ones permuted and which expert serves which token is
+    arbitrary (a per-expert selection bias, e.g. DeepSeek's correction bias, stays in place).
+
+    The null of :func:`swap_routers`: what a router that keeps the load but not the assignment costs."""
+    specs = _routers(model, routers)
+    chosen = sorted(set(range(len(specs)) if layers is None else (int(i) for i in layers)))
+    for i in chosen:
+        if not 0 <= i < len(specs):
+            raise ValueError(f"MoE layer {i} out of range: the model has {len(specs)} MoE layers")
+    perms = {i: router_permutation(specs[i].n_experts, seed + i) for i in chosen}
+
+    def make() -> list:
+        handles = []
+        for i, perm in perms.items():
+
+            def edit(logits: torch.Tensor, perm=perm) -> torch.Tensor:
+                return logits[..., perm.to(logits.device)] - logits
+
+            handles += _logit_hooks(specs[i], edit)
         return handles
 
     with _hooked(make):

@@ -10,9 +10,13 @@ before the router's top-k (the router chooses another); ``--mode zero`` zeroes i
 the selection (``--renormalize``: the token's other weights keep its total).
 
 ``--swap-from CKPT``: instead, the loss change per MoE layer (and for all layers) when that layer's
-router comes from CKPT (same architecture). ``--steer L:E=BIAS ...``: instead, the change in the
-next-token distribution (mean KL, nats) and in the embedding (cosine to the unsteered one, the
-model's own embedding configuration) when those router logits are biased.
+router comes from CKPT (same architecture), beside the null of the layer's own router with its
+expert order permuted (``--null-draws`` seeded derangements: same loads, assignment gone) and the
+share of that cost the donor's router avoids (``recovered``). ``--steer L:E=BIAS ...``: instead, the
+change in the next-token distribution (mean KL, nats), in the embedding (cosine to the unsteered
+one, the model's own embedding configuration) and in the experts' selection rates when those router
+logits are biased, beside the same biases on ``--null-draws`` random sets of other experts of the
+same layers. ``moee report --router-swap DIR`` / ``--steering DIR`` show them.
 
 Writes into ``--out``: ``importance.json`` + ``experts.csv`` + ``README.md`` (a reading generated
 from the JSON, with the command), or ``swap.json`` + ``swap.csv``, or ``steering.json``. The corpus is read
@@ -27,6 +31,7 @@ import shlex
 import sys
 from itertools import islice
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 OUTPUTS = ("importance.json", "experts.csv", "README.md", "swap.json", "swap.csv", "steering.json")
@@ -80,8 +85,15 @@ def register(subparsers) -> None:
         "--mode", choices=("reselect", "zero"), default="reselect", help="how an expert is disabled"
     )
     p.add_argument("--renormalize", action="store_true", help="--mode zero: the other weights keep the total")
-    p.add_argument("--no-null", action="store_true", help="skip the load-matched null (half the passes)")
+    p.add_argument("--no-null", action="store_true", help="skip the null (half the passes or fewer)")
     p.add_argument("--seed", type=int, default=0, help="seed of the null's draws (default: 0)")
+    p.add_argument(
+        "--null-draws",
+        type=int,
+        default=None,
+        help="--swap-from / --steer: null draws (permutations / expert sets) per row "
+        "(default: expert_importance.NULL_DRAWS, 3)",
+    )
     p.add_argument(
         "--super-ratio", type=float, default=10.0, help="super-expert threshold over the median (default: 10)"
     )
@@ -195,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     from moee.cli_options import load_from_args
     from moee.io import run_metadata, write_json_atomic
 
-    for name in ("max_tokens", "seq_len", "batch_size", "steer_texts", "per_domain_tokens"):
+    for name in ("max_tokens", "seq_len", "batch_size", "steer_texts", "per_domain_tokens", "null_draws"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}"
@@ -222,35 +234,56 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         **run_metadata(command_line(args)),
         "model": args.model or "bundled default model",
-        "weights_digest": weights_digest(embedder),  # what `moee report --ablation` checks
+        "weights_digest": weights_digest(embedder),  # what `moee report --ablation` (...) checks
     }
+    nulls: dict[str, Any] = {"null": not args.no_null, "seed": args.seed}
+    if args.null_draws is not None:
+        nulls["null_draws"] = args.null_draws
     if args.swap_from:
         from moee.cli_options import load_options
         from moee.loading import load_model
 
         donor = load_model(args.swap_from, load_options(args), tokenizer=False).model.eval()
         result = {
-            **router_swap(model, donor, corpus, batch_size=args.batch_size),
+            **router_swap(model, donor, corpus, batch_size=args.batch_size, **nulls),
             "donor": args.swap_from,
+            "donor_digest": weights_digest(SimpleNamespace(name_or_path=args.swap_from, model=donor)),
             "meta": meta,
         }
         write_json_atomic(out / "swap.json", result)
         domains = list(result["base"]["loss_by_domain"])
         _write_csv(out / "swap.csv", result["swaps"], domains)
         for row in result["swaps"]:
-            print(f"router of layer {row['layer']} from donor: {row['delta']:+.4f} nats/token")
+            print(
+                f"router of layer {row['layer']} from donor: {row['delta']:+.4f} nats/token"
+                + (f" (permuted-router null {row['null']:+.4f})" if "null" in row else "")
+            )
         return 0
     if args.steer:
         biases = dict(args.steer)
         rows = read_corpus(args.corpus, field=args.field, domain_field=args.domain_field)
         texts = [t for t, _ in islice(rows, args.steer_texts)]
         result = {
-            **steering_effect(embedder, corpus, texts, biases, batch_size=args.batch_size),
+            **steering_effect(
+                embedder,
+                corpus,
+                texts,
+                biases,
+                batch_size=args.batch_size,
+                **nulls,
+            ),
             "meta": meta,
         }
         write_json_atomic(out / "steering.json", result)
+        null = result["null"]
         print(
             f"KL(next token) {result['kl_next_token']:.4f} nats; embedding cosine {result['embedding_cosine']['mean']:.4f}"
+            + (
+                f"; random experts: KL {null['kl_next_token']['mean']:.4f}, "
+                f"cosine {null['embedding_cosine_mean']['mean']:.4f}"
+                if null
+                else ""
+            )
         )
         return 0
     from moee.capture.registry import find_routers
