@@ -92,7 +92,7 @@ def test_the_committed_ablation_reads_into_the_section_and_its_page():
     [
         (None, "no such file"),
         ("{not json", "is not JSON"),
-        ({"swaps": [], "base": {}}, "router-swap or steering"),
+        ({"swaps": [], "base": {}}, "a router-swap result, not expert-importance: pass it to --router-swap"),
         ({"experts": []}, "missing spearman_importance_load"),
         (lambda r: r["experts"][3].update(delta="big"), r"experts\[3\] has no number for delta"),
         (lambda r: r["experts"][0].pop("layer"), r"experts\[0\] lacks a layer"),

@@ -2,17 +2,18 @@
 null, read from a ``moee ablate`` result (``importance.json``). The report routes texts and cannot
 run the ablation's extra forward passes, so the driver reads the file (``--ablation``): it is
 checked before any work starts (:func:`read_ablation`) and against the report's model once that
-loads (:func:`ablation_section`)."""
+loads (:func:`ablation_section`), both through :mod:`moee.analysis.specialization.ablate_results`."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moee.analysis.specialization.ablate_results import check_model, read_result, unavailable_html
+from moee.analysis.specialization.ablate_results import number as _number
+from moee.analysis.specialization.ablate_results import signed as _sci
 from moee.analysis.specialization.markup import Page, _figure, _plt, _subplots, _table, esc
 from moee.analysis.specialization.sections.base import Section
 
@@ -20,39 +21,16 @@ __all__ = ["SECTION", "UNAVAILABLE", "ablation_section", "read_ablation"]
 
 #: The section when no ablation is given.
 UNAVAILABLE = {"available": False, "reason": "no ablation given (--ablation)"}
-#: The name ``moee ablate`` records for the bundled model (its ``--model`` left out).
-BUNDLED = "bundled default model"
 #: Experts listed in the page's table.
 TOP_EXPERTS = 10
 _EXPERT_NUMBERS = ("load", "delta")
 _EXPERT_OPTIONAL = ("null", "excess", "max_activation")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def read_ablation(path: str | Path) -> dict:
     """The ``importance.json`` of ``path`` (the file, or the ``moee ablate --out`` folder holding
     it), refused with the fix when it is missing or not an expert-importance result."""
-    given = Path(path).expanduser()
-    file = given / "importance.json" if given.is_dir() else given
-    fix = "give the importance.json that `moee ablate --corpus C --out DIR` writes (or DIR)"
-    if not file.is_file():
-        raise FileNotFoundError(f"--ablation {path}: no such file {file}; {fix}")
-    try:
-        result = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--ablation {path}: {file} is not JSON ({exc}); {fix}") from None
-    if isinstance(result, dict) and ("swaps" in result or "kl_next_token" in result):
-        raise ValueError(
-            f"--ablation {path}: {file} is a router-swap or steering result, not expert importance; "
-            "run `moee ablate` without --swap-from / --steer"
-        )
-    problems = _format_problems(result)
-    if problems:
-        raise ValueError(f"--ablation {path}: {file} is not an expert-importance result ({problems}); {fix}")
-    return {**result, "source": str(file)}
+    return read_result(path, "importance", _format_problems)
 
 
 def _format_problems(result: Any) -> str | None:
@@ -81,17 +59,6 @@ def _format_problems(result: Any) -> str | None:
     return None
 
 
-def _local(spec: str | None) -> str | None:
-    """A model argument as a comparable name: the bundled model and local folders by their
-    resolved path, Hub ids as given."""
-    if spec is None or spec == BUNDLED:
-        from moee.embed.embedder import DEFAULT_MODEL_DIR
-
-        return str(DEFAULT_MODEL_DIR.resolve())
-    local = Path(spec).expanduser()
-    return str(local.resolve()) if local.exists() else spec
-
-
 def ablation_section(
     result: dict, *, model: str | None, n_layers: int, n_experts: int, weights_digest: str | None = None
 ) -> dict:
@@ -99,32 +66,17 @@ def ablation_section(
     of another model: its MoE layers and experts must be the report's, and the weights digest (when
     the ablation records one and ``weights_digest`` is given) or else the model name it records must
     be the report's ``model``."""
-    meta = result.get("meta") if isinstance(result.get("meta"), dict) else {}
+    pairs = [(int(r["layer"]), int(r["expert"])) for r in result["experts"]]
+    meta = check_model(
+        result,
+        "importance",
+        pairs,
+        model=model,
+        n_layers=n_layers,
+        n_experts=n_experts,
+        weights_digest=weights_digest,
+    )
     source = result.get("source", "the ablation")
-    fix = "run `moee ablate --model M ...` on the report's model and pass its output"
-    recorded = result.get("n_experts")
-    shapes = [(int(r["layer"]), int(r["expert"])) for r in result["experts"]]
-    if (
-        isinstance(recorded, list)
-        and recorded != [n_experts] * n_layers
-        or any(layer >= n_layers or e >= n_experts for layer, e in shapes)
-    ):
-        raise ValueError(
-            f"--ablation {source}: an ablation of another model (experts per MoE layer "
-            f"{recorded if isinstance(recorded, list) else 'beyond the model'}, the report's model has "
-            f"{n_layers} layers of {n_experts}); {fix}"
-        )
-    digest = meta.get("weights_digest")
-    if digest is not None and weights_digest is not None:
-        if str(digest) != str(weights_digest):
-            raise ValueError(
-                f"--ablation {source}: an ablation of other weights (digest {digest}, the report's "
-                f"model {model} has {weights_digest}); {fix}"
-            )
-    elif meta.get("model") is not None and _local(str(meta["model"])) != _local(model):
-        raise ValueError(
-            f"--ablation {source}: an ablation of {meta['model']}, not of the report's model {model}; {fix}"
-        )
     keep = (
         "layer",
         "expert",
@@ -142,7 +94,7 @@ def ablation_section(
         "reason": None,
         "source": source,
         "model": meta.get("model"),
-        "weights_digest": digest,
+        "weights_digest": meta.get("weights_digest"),
         "command": meta.get("command"),
         "mode": result["mode"],
         "renormalize": result.get("renormalize"),
@@ -160,19 +112,10 @@ def ablation_section(
     }
 
 
-def _sci(x: Any, digits: int = 4) -> str:
-    return "-" if not _number(x) else f"{x:+.{digits}f}"
-
-
 def _render(report: dict, page: Page) -> str:
     ab = report["ablation"]
     if not ab.get("available"):
-        return (
-            f"<p>Not given: {esc(str(ab.get('reason') or 'no ablation'))}. The report routes texts and "
-            "cannot run the ablation's extra forward passes: run <code>moee ablate --model M --corpus C "
-            "--out DIR</code> on this model, then pass <code>--ablation DIR</code> (or its "
-            "<code>importance.json</code>) to <code>moee report</code>.</p>"
-        )
+        return unavailable_html("an expert ablation", "importance", ab.get("reason"))
     plt = _plt()
     rows = ab["experts"]
     layers = np.asarray([r["layer"] for r in rows])
