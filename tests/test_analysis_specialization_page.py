@@ -180,6 +180,8 @@ def _fill_new_sections(rep: dict, rng: np.random.Generator) -> None:
         },
     )
     rep.setdefault("ablation", ablation_part(rng))
+    rep.setdefault("router_swap", router_swap_part())
+    rep.setdefault("steering", steering_part())
 
 
 def ablation_part(rng: np.random.Generator, source: str = HOSTILE[0]) -> dict:
@@ -220,6 +222,59 @@ def ablation_part(rng: np.random.Generator, source: str = HOSTILE[0]) -> dict:
         },
         "super_experts": {"ratio": 10.0, "flagged": [{"layer": 0, "expert": 1}], "delta": 0.5},
     }
+
+
+def router_swap_part() -> dict:
+    """A router-swap section (what ``router_swap_section`` returns) with user text in its strings."""
+    rows = [
+        {
+            "layer": i,
+            "router": HOSTILE[i % 2],
+            "delta": 0.01 * i,
+            "null": 0.5,
+            "null_std": 0.02,
+            "recovered": 0.9,
+        }
+        for i in range(L)
+    ]
+    rows.append(
+        {"layer": "all", "router": "all", "delta": 0.1, "null": 1.0, "null_std": 0.1, "recovered": 0.9}
+    )
+    return {
+        "available": True,
+        "reason": None,
+        "source": HOSTILE[0],
+        "donor": HOSTILE[1],
+        "donor_digest": HOSTILE[0],
+        "n_tokens": 40,
+        "base_loss": 5.0,
+        "null": HOSTILE[2],
+        "null_draws": 3,
+        "seed": 0,
+        "swaps": rows,
+    }
+
+
+def steering_part() -> dict:
+    """A steering section (what ``steering_section`` returns) with user text in its strings."""
+    spread = {"mean": 0.01, "std": 0.002, "draws": [0.01]}
+    case = {
+        "source": HOSTILE[1],
+        "biases": [{"layer": 0, "expert": 1, "bias": 2.0}],
+        "kl_next_token": 0.05,
+        "embedding_cosine": {"mean": 0.98},
+        "selection_rate": [{"layer": 0, "expert": 1, "before": 0.1, "after": 0.6}],
+        "selection_shift": 0.5,
+        "null": {
+            "description": HOSTILE[0],
+            "n_draws": 1,
+            "kl_exceeds_draws": 1,
+            "kl_next_token": spread,
+            "embedding_cosine_mean": {"mean": 0.99, "std": 0.001},
+            "selection_shift": spread,
+        },
+    }
+    return {"available": True, "reason": None, "cases": [case]}
 
 
 def embedded_payloads(page: str) -> list[dict]:

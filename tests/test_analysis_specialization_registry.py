@@ -20,7 +20,7 @@ from moee.analysis.specialization.sections.token_view import TokenView
 
 L, E, K = 2, 4, 2
 #: The sections the report driver fills (they need other models, the texts or the command line).
-DRIVER = {"meta", "saturation", "ablation", "token_view"}
+DRIVER = {"meta", "saturation", "ablation", "router_swap", "steering", "token_view"}
 
 
 def _accumulator(n_texts: int = 12, seed: int = 0) -> SpecializationAccumulator:
@@ -39,6 +39,8 @@ def _report(acc: SpecializationAccumulator) -> dict:
     rep["meta"] = {"command": "moee report", "versions": {}}
     rep["saturation"] = {"available": False, "reason": "no checkpoints given (--checkpoints)"}
     rep["ablation"] = {"available": False, "reason": "no ablation given (--ablation)"}
+    rep["router_swap"] = {"available": False, "reason": "no router swap given (--router-swap)"}
+    rep["steering"] = {"available": False, "reason": "no steering result given (--steering)"}
     view = TokenView(n_texts=1, max_tokens=8)
     probs = np.full((3, L, E), 1 / E)
     selected = np.broadcast_to(np.arange(K), (3, L, K))

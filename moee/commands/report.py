@@ -17,12 +17,15 @@ domain JSD, co-activation heatmaps and a token view (docs/SPECIALIZATION.md defi
 final one's on the same tokens (paths, Hub ids or ``name@revision``; the report is of the final
 checkpoint unless ``--model`` is given). ``--ablation DIR`` adds the causal expert importance of a ``moee ablate`` run of this model (its
 ``--out`` folder or ``importance.json``; the report cannot run the ablation's forward passes):
-checked with the other inputs, and refused when it is an ablation of another model.
+checked with the other inputs, and refused when it is an ablation of another model. Likewise
+``--router-swap DIR`` (a ``moee ablate --swap-from`` result: ``swap.json``) adds the router swap beside
+its permuted-router null, and ``--steering DIR [DIR ...]`` (``moee ablate --steer`` results:
+``steering.json``, one case each) the steering effect beside its random-expert null.
 ``--compare MODEL_B`` builds B's report on the same
 corpus into the same report.json (``compare``), with the differences and B's selection overlap.
 
 Every input is checked before the first model is routed (the output folder, each model path or
-Hub id, the corpus: read through once, and not only empty texts, the ablation file). ``--out`` is a folder of its
+Hub id, the corpus: read through once, and not only empty texts, the ablation, swap and steering files). ``--out`` is a folder of its
 own: an existing report there needs ``--overwrite``. Both files are written into a hidden folder
 beside it and renamed into place together, so a killed run never leaves a new report.json beside
 an old report.html.
@@ -75,6 +78,21 @@ def register(subparsers) -> None:
         help="a `moee ablate` result of this model (its --out folder or importance.json) for the "
         "causal expert-importance section",
     )
+    p.add_argument(
+        "--router-swap",
+        default=None,
+        metavar="DIR_OR_JSON",
+        help="a `moee ablate --swap-from` result of this model (its --out folder or swap.json) for the "
+        "router-swap section",
+    )
+    p.add_argument(
+        "--steering",
+        nargs="+",
+        default=None,
+        metavar="DIR_OR_JSON",
+        help="`moee ablate --steer` results of this model (--out folders or steering.json), one case each, "
+        "for the steering section",
+    )
     p.add_argument("--token-view-texts", type=int, default=8, help="texts in the token view (default: 8)")
     p.add_argument(
         "--token-view-tokens", type=int, default=256, help="tokens in the token view in all (default: 256)"
@@ -124,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     )
     from moee.analysis.specialization.report import check_corpus, check_report_folder
     from moee.analysis.specialization.sections.ablation import ablation_section, read_ablation
+    from moee.analysis.specialization.sections.router_swap import read_swap, router_swap_section
+    from moee.analysis.specialization.sections.steering import read_steering, steering_section
     from moee.embed.embedder import MoEEmbedder
     from moee.io import run_metadata
     from moee.loading import LoadOptions
@@ -145,7 +165,14 @@ def run(args: argparse.Namespace) -> int:
     total = check_corpus(
         args.corpus, text_field=args.field, domain_field=args.domain_field, max_texts=args.max_texts
     )
-    ablated = None if args.ablation is None else read_ablation(args.ablation)
+    # each `moee ablate` result: read and checked now, matched to the model once it loads
+    causal = {}
+    if args.ablation is not None:
+        causal["ablation"] = (ablation_section, read_ablation(args.ablation))
+    if args.router_swap is not None:
+        causal["router_swap"] = (router_swap_section, read_swap(args.router_swap))
+    if args.steering is not None:
+        causal["steering"] = (steering_section, [read_steering(path) for path in args.steering])
 
     def corpus():
         return read_corpus(args.corpus, text_field=args.field, domain_field=args.domain_field)
@@ -200,23 +227,25 @@ def run(args: argparse.Namespace) -> int:
         )
         if embedder is None:
             embedder = load(saturation["final"])
-    ablation = None
-    if ablated is not None:  # against the report's model before its texts are routed
+    parts = {}
+    if causal:  # against the report's model before its texts are routed
         from moee.embed.reference import weights_digest
 
-        recorded = (ablated.get("meta") or {}).get("weights_digest")
-        ablation = ablation_section(
-            ablated,
-            model=args.model if args.model is not None or saturation is None else saturation["final"],
-            n_layers=int(embedder.n_moe_layers),
-            n_experts=int(embedder.n_experts),
-            weights_digest=weights_digest(embedder) if recorded is not None else None,
-        )
+        results = [r for _, given in causal.values() for r in (given if isinstance(given, list) else [given])]
+        recorded = any((r.get("meta") or {}).get("weights_digest") is not None for r in results)
+        digest = weights_digest(embedder) if recorded else None
+        for key, (section, given) in causal.items():
+            parts[key] = section(
+                given,
+                model=args.model if args.model is not None or saturation is None else saturation["final"],
+                n_layers=int(embedder.n_moe_layers),
+                n_experts=int(embedder.n_experts),
+                weights_digest=digest,
+            )
     report = build_report(embedder, corpus(), **settings)
     if saturation is not None:
         report["saturation"] = saturation
-    if ablation is not None:
-        report["ablation"] = ablation
+    report.update(parts)
     report["meta"] = {
         **run_metadata(command_line(args)),
         "corpus": str(args.corpus),

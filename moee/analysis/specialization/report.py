@@ -24,7 +24,7 @@ import numpy as np
 from moee.analysis.specialization import sections as registry
 from moee.analysis.specialization.accumulator import SpecializationAccumulator
 from moee.analysis.specialization.html import render_html
-from moee.analysis.specialization.sections import ablation
+from moee.analysis.specialization.sections import ablation, router_swap, steering
 from moee.analysis.specialization.sections.token_view import TokenView
 from moee.analysis.specialization.statistics import _overlap
 from moee.capture.architectures import TOP_K_KEYS
@@ -485,7 +485,8 @@ def build_report(
     if not predictions.available:
         report["token_specialization"]["by_key"]["predicted"]["reason"] = predictions.reason
     report["saturation"] = {"available": False, "reason": "no checkpoints given (--checkpoints)"}
-    report["ablation"] = dict(ablation.UNAVAILABLE)
+    for section in (ablation, router_swap, steering):  # filled by `moee report` from `moee ablate` results
+        report[section.SECTION.id] = dict(section.UNAVAILABLE)
     report["token_view"] = view.result(decode)
     report["summary"]["top_k_source"] = source
     report["summary"]["state_bytes"] = acc.state_bytes()
