@@ -18,6 +18,7 @@ from moee.analysis.expert_importance import (
     baseline,
     build_corpus,
     expert_importance,
+    null_biases,
     router_swap,
     steering_effect,
 )
@@ -123,22 +124,67 @@ def test_an_identical_router_swap_changes_nothing_another_does(planted) -> None:
     model, corpus, base = planted
     same = router_swap(model, copy.deepcopy(model), corpus, batch_size=4, base=base)
     assert [r["layer"] for r in same["swaps"]] == [0, "all"]
-    assert all(r["delta"] == 0.0 for r in same["swaps"])
+    assert all(r["delta"] == 0.0 and r["recovered"] == 1.0 for r in same["swaps"])
+    # the permuted-router null: the planted expert's a tokens go to other experts, b tokens lose nothing
+    null = same["swaps"][0]
+    assert null["null_by_domain"]["a"] > 1.5 and abs(null["null_by_domain"]["b"]) < 0.05
+    assert null["null"] > 0.5 and len(same["swaps"]) == 2 and same["null_draws"] == 3
     other = router_swap(model, tiny_model("olmoe", n_layers=1), corpus, batch_size=4, base=base)
     assert other["swaps"][0]["delta_by_domain"]["a"] > 1.5  # the planted routing is lost
+    assert other["swaps"][0]["recovered"] < 0.5  # no better than a scrambled router
+    assert other["swaps"][0]["null"] == pytest.approx(null["null"])  # the null is the model's own
+    json.dumps(other)
+
+
+def test_the_swap_null_is_reproducible_and_skippable(planted) -> None:
+    model, corpus, base = planted
+    donor = copy.deepcopy(model)
+    one = router_swap(model, donor, corpus, batch_size=4, base=base, null_draws=2, seed=4)
+    two = router_swap(model, donor, corpus, batch_size=4, base=base, null_draws=2, seed=4)
+    assert one["swaps"] == two["swaps"]
+    plain = router_swap(model, donor, corpus, batch_size=4, base=base, null=False)
+    assert plain["null"] is None and "null" not in plain["swaps"][0]
+
+
+def test_the_steering_null_draws_other_experts_of_the_same_layers_from_its_seed() -> None:
+    biases = {(0, 1): 2.0, (0, 3): -1.0, (1, 0): 5.0}
+    draws = null_biases(biases, [8, 8], draws=6, seed=0)
+    assert draws == null_biases(biases, [8, 8], draws=6, seed=0)  # the documented seed: reproducible
+    assert null_biases(biases, [8, 8], draws=1, seed=1)[0] == draws[1]  # draw j is seeded seed + j
+    for draw in draws:
+        assert sorted(draw.values()) == sorted(biases.values())
+        assert (
+            sum(1 for layer, _ in draw if layer == 0) == 2 and sum(1 for layer, _ in draw if layer == 1) == 1
+        )
+        assert not set(draw) & {(0, 1), (0, 3), (1, 0)}  # never a steered expert
+    assert len({tuple(sorted(d)) for d in draws}) > 1
+    with pytest.raises(ValueError, match="too few others"):
+        null_biases({(0, e): 1.0 for e in range(5)}, [8])
 
 
 def test_steering_moves_selection_distribution_and_embedding(tiny_embedder) -> None:
     texts = ["the cat sat on the mat", "a dog ran in the park", "the bird sang"]
     corpus = build_corpus([(t, "x") for t in texts], tiny_embedder.tokenizer)
-    none = steering_effect(tiny_embedder, corpus, texts, {(0, 1): 0.0})
+    none = steering_effect(tiny_embedder, corpus, texts, {(0, 1): 0.0}, null=False)
     assert none["kl_next_token"] == pytest.approx(0.0, abs=1e-9)
     assert none["embedding_cosine"]["min"] == pytest.approx(1.0, abs=1e-6)
-    steered = steering_effect(tiny_embedder, corpus, texts, {(0, 1): 1e4})
+    steered = steering_effect(tiny_embedder, corpus, texts, {(0, 1): 1e4}, null_draws=2, seed=3)
     rate = steered["selection_rate"][0]
     assert rate["after"] == 1.0 and rate["before"] < 1.0
+    assert steered["selection_shift"] == pytest.approx(1.0 - rate["before"])
     assert steered["kl_next_token"] > 0
     assert steered["embedding_cosine"]["mean"] < 1.0
+    # the null: the same forced expert elsewhere in layer 0, also always selected after
+    null = steered["null"]
+    assert [d["biases"] for d in null["draws"]] == [
+        [{"layer": i, "expert": e, "bias": 1e4} for (i, e) in draw]
+        for draw in null_biases({(0, 1): 1e4}, [8, 8], draws=2, seed=3)
+    ]
+    assert all(d["selection_rate"][0]["after"] == 1.0 for d in null["draws"])
+    assert null["kl_next_token"]["mean"] > 0 and len(null["kl_next_token"]["draws"]) == 2
+    again = steering_effect(tiny_embedder, corpus, texts, {(0, 1): 1e4}, null_draws=2, seed=3)
+    assert again["null"] == null
+    json.dumps(steered)
 
 
 def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> None:
@@ -172,9 +218,15 @@ def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> 
     assert "moee ablate" in (out / "README.md").read_text()
     assert (out / "experts.csv").read_text().startswith("layer,expert,")
     assert main(argv) == 2  # results there: --overwrite needed
-    assert main([*argv, "--overwrite", "--swap-from", tiny_model_dir]) == 0
+    assert main([*argv, "--overwrite", "--swap-from", tiny_model_dir, "--null-draws", "1"]) == 0
     swap = json.loads((out / "swap.json").read_text())
     assert all(r["delta"] == 0.0 for r in swap["swaps"])
+    assert swap["meta"]["weights_digest"] == swap["donor_digest"]  # the donor is the model itself
+    assert swap["null_draws"] == 1 and all(r["null"] > 0 for r in swap["swaps"])
+    assert main([*argv, "--overwrite", "--steer", "1:2=2", "--null-draws", "2"]) == 0
+    steering = json.loads((out / "steering.json").read_text())
+    assert steering["meta"]["weights_digest"] == swap["meta"]["weights_digest"]
+    assert len(steering["null"]["draws"]) == 2 and steering["null"]["seed"] == 0
 
 
 def test_build_corpus_caps_tokens_overall_and_per_domain(tiny_embedder) -> None:

@@ -16,6 +16,8 @@ from moee.capture.interventions import (
     disable_experts,
     drop_assignments,
     force_experts,
+    permute_router,
+    router_permutation,
     swap_routers,
 )
 from moee.capture.recorder import RoutingRecorder
@@ -114,6 +116,35 @@ def test_identical_router_swap_changes_nothing_another_does(arch) -> None:
     assert not torch.allclose(other, base)
 
 
+def test_a_permuted_router_sends_each_token_to_the_permuted_experts(arch) -> None:
+    """Expert e gets the logit of expert perm[e]: a token that chose j now chooses perm^-1(j), in the
+    permuted layer only, so the loads are the old ones permuted."""
+    _, model, ids = arch
+    model = copy.deepcopy(model)
+    specs = find_routers(model)
+    with torch.no_grad():  # some tiny routers start at zero (all logits tie): no order to permute
+        for spec in specs:
+            for p in spec.module.parameters():
+                p.normal_(generator=torch.Generator().manual_seed(0))
+    _, base = _run(model, ids)
+    last = len(specs) - 1
+    inverse = torch.argsort(router_permutation(specs[last].n_experts, 5 + last))  # seed + layer
+    with permute_router(model, [last], seed=5):
+        _, permuted = _run(model, ids)
+    assert torch.equal(permuted[:, :, :last], base[:, :, :last])  # the other layers untouched
+    assert torch.equal(permuted[:, :, last].sort(-1).values, inverse[base[:, :, last]].sort(-1).values)
+
+
+def test_router_permutations_are_seeded_derangements() -> None:
+    for seed in range(20):
+        perm = router_permutation(8, seed)
+        assert sorted(perm.tolist()) == list(range(8)) and not (perm == torch.arange(8)).any()
+        assert torch.equal(perm, router_permutation(8, seed))
+    assert len({tuple(router_permutation(8, s).tolist()) for s in range(20)}) > 10
+    with pytest.raises(ValueError, match="no other order"):
+        router_permutation(1, 0)
+
+
 def test_hooks_are_removed_on_an_exception(tiny_olmoe) -> None:
     before = _hooks(tiny_olmoe)
     for make in (
@@ -122,6 +153,7 @@ def test_hooks_are_removed_on_an_exception(tiny_olmoe) -> None:
         lambda: force_experts(tiny_olmoe, [(1, 2)]),
         lambda: drop_assignments(tiny_olmoe, 1, 0.5),
         lambda: swap_routers(tiny_olmoe, copy.deepcopy(tiny_olmoe)),
+        lambda: permute_router(tiny_olmoe, seed=3),
     ):
         with pytest.raises(RuntimeError, match="boom"), make():
             assert _hooks(tiny_olmoe) > before

@@ -75,7 +75,12 @@ def read_result(path: str | Path, kind: str, problems: Callable[[dict], str | No
     given = Path(path).expanduser()
     file = given / name if given.is_dir() else given
     if not file.is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file {file}; {_fix(kind)}")
+        held = [k for k, (n, *_) in KINDS.items() if given.is_dir() and (given / n).is_file()]
+        also = "".join(
+            f" ({given} holds {KINDS[k][0]}, {_a(KINDS[k][1])} result: pass it to {KINDS[k][2]})"
+            for k in held
+        )
+        raise FileNotFoundError(f"{flag} {path}: no such file {file}{also}; {_fix(kind)}")
     try:
         result = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
