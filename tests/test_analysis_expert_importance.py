@@ -223,10 +223,14 @@ def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> 
     assert all(r["delta"] == 0.0 for r in swap["swaps"])
     assert swap["meta"]["weights_digest"] == swap["donor_digest"]  # the donor is the model itself
     assert swap["null_draws"] == 1 and all(r["null"] > 0 for r in swap["swaps"])
+    reading = (out / "README.md").read_text()
+    assert "# Router swap" in reading and "--swap-from" in reading and swap["donor_digest"] in reading
     assert main([*argv, "--overwrite", "--steer", "1:2=2", "--null-draws", "2"]) == 0
     steering = json.loads((out / "steering.json").read_text())
     assert steering["meta"]["weights_digest"] == swap["meta"]["weights_digest"]
     assert len(steering["null"]["draws"]) == 2 and steering["null"]["seed"] == 0
+    reading = (out / "README.md").read_text()
+    assert "# Expert steering" in reading and "1:2 +2" in reading and "of 2 null draws" in reading
 
 
 def test_build_corpus_caps_tokens_overall_and_per_domain(tiny_embedder) -> None:
