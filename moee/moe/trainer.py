@@ -448,16 +448,106 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": total_tokens, "layers": layers}
 
 
+class DocumentSampler:
+    """Deterministic batches of whole documents, each tokenized as a user's text is (special
+    tokens, truncated to the context): the input the embedder and the report route, which the
+    training windows (cut anywhere in a document stream) do not cover, e.g. position 0 always
+    holding the first token of a document."""
+
+    def __init__(self, documents: list[list[int]], seed: int):
+        if not documents or not all(documents):
+            raise ValueError("DocumentSampler needs at least one document, and no empty one")
+        self.documents = documents
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    @classmethod
+    def from_jsonl(
+        cls, jsonl: str | os.PathLike, tokenizer: Any, max_length: int, seed: int, limit: int | None = None
+    ) -> DocumentSampler:
+        """The first ``limit`` non-empty texts of a JSONL corpus (field ``text``), tokenized."""
+        from moee.io import iter_jsonl
+
+        texts = []
+        for _, row in iter_jsonl(jsonl):
+            if str(row.get("text") or "").strip():
+                texts.append(row["text"])
+                if limit is not None and len(texts) >= limit:
+                    break
+        ids = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+        return cls([list(map(int, x)) for x in ids], seed)
+
+    def batch(self, position: int, batch_size: int) -> list[torch.Tensor]:
+        """Documents ``position .. position + batch_size - 1`` of the seeded order (each [1, length])."""
+        n = len(self.documents)
+        rows = []
+        for pos in range(position, position + batch_size):
+            epoch, offset = divmod(pos, n)
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+                self._perm_epoch = epoch
+            i = int(self._perm[offset])
+            rows.append(torch.tensor([self.documents[i]], dtype=torch.long))
+        return rows
+
+
+@torch.no_grad()
+def document_load(model: torch.nn.Module, documents: list[list[int]]) -> list[dict]:
+    """Per-layer load statistics over whole documents, each forwarded alone (no padding counted),
+    in eval mode: the figure ``moee report`` gives on the same texts (top-k selections per expert
+    over every token; max/mean, CV, dead experts)."""
+    was_training = model.training
+    model.eval()
+    loads: list[torch.Tensor] | None = None
+    importance: list[torch.Tensor] | None = None
+    try:
+        for doc in documents:
+            out = model(input_ids=torch.tensor([doc], dtype=torch.long))
+            step = [noise_free_balance(a)[0] for a in out.moe_aux]
+            imps = [a["importance"] for a in out.moe_aux]
+            if loads is None:
+                loads, importance = [x.clone() for x in step], [x.clone() for x in imps]
+            else:
+                for i in range(len(step)):
+                    loads[i] += step[i]
+                    importance[i] += imps[i]
+    finally:
+        model.train(was_training)
+    layers = []
+    for load, imp in zip(loads or [], importance or []):
+        stats = balance_stats(imp.float(), load.float())
+        layers.append(
+            {
+                "cv_load": float(stats["cv_load"]),
+                "max_over_mean_load": float(stats["max_over_mean_load"]),
+                "dead": int((load == 0).sum()),
+            }
+        )
+    return layers
+
+
 @torch.no_grad()
 def calibrate_router_biases(
-    model: torch.nn.Module, sampler: WindowSampler, position: int, batch_size: int, steps: int, gamma: float
+    model: torch.nn.Module,
+    sampler: WindowSampler,
+    position: int,
+    batch_size: int,
+    steps: int,
+    gamma: float,
+    documents: DocumentSampler | None = None,
+    documents_per_step: int = 0,
 ) -> int:
     """Settle the selection biases of loss-free gates with all weights frozen.
 
-    Runs `steps` forward passes over training windows (from data `position`) in train mode,
-    so each `LossFreeBalancedGate` applies its own update rule, with the bias step decaying
+    Runs `steps` calibration steps in train mode: each forwards `batch_size` training windows
+    (from data `position`) and, with `documents`, `documents_per_step` whole documents one at a
+    time (so no padding is counted); the loads of the step accumulate and each
+    `LossFreeBalancedGate` then applies its own update rule once, with the bias step decaying
     linearly from `gamma` to 0. A constant step leaves the final bias anywhere within about one
-    step of the balance point; the decay lets it settle. Returns the new data position.
+    step of the balance point; the decay lets it settle. Windows alone balance the positions a
+    window reaches; documents add what a user's text looks like (a document start at position
+    0, short texts). Returns the new window position.
     """
     from moee.moe.gates import LossFreeBalancedGate
 
@@ -466,18 +556,29 @@ def calibrate_router_biases(
         return position
     if not gamma > 0:
         raise ValueError(f"calibration gamma must be > 0, got {gamma}")
+    if documents_per_step and documents is None:
+        raise ValueError("documents_per_step needs a DocumentSampler (documents=...)")
     was_training = model.training
     saved = [(g.gamma, g.auto_update) for g in gates]
     model.train()
     try:
+        for g in gates:
+            g.auto_update = False
+            g.pending_load.zero_()
         for t in range(steps):
+            if batch_size:
+                model(input_ids=sampler.batch(position, batch_size))
+                position += batch_size
+            if documents_per_step:
+                for doc in documents.batch(t * documents_per_step, documents_per_step):
+                    model(input_ids=doc)
             for g in gates:
-                g.gamma, g.auto_update = gamma * (1.0 - t / steps), True
-            model(input_ids=sampler.batch(position, batch_size))
-            position += batch_size
+                g.gamma = gamma * (1.0 - t / steps)
+                g.update_bias()
     finally:
         for g, (gm, auto) in zip(gates, saved):
             g.gamma, g.auto_update = gm, auto
+            g.pending_load.zero_()
         model.train(was_training)
     return position
 
