@@ -95,13 +95,19 @@ def _fmt_int(n: float) -> str:
 #: Held-out windows whose figures are also recorded on their own (``heldout.first_windows``): few
 #: enough that tests/test_default_model.py recomputes them from the shipped files in seconds.
 FIRST_WINDOWS = 32
+#: Held-out documents whose load is also recorded on their own (``heldout.documents.first``).
+FIRST_DOCUMENTS = 16
 
 
-def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: int | None) -> dict:
+def heldout_figures(
+    model, tokenizer, data: dict, batch_size: int, max_windows: int | None, context: int | None = None
+) -> dict:
     """Held-out LM figures of ``model`` with its own tokenizer: loss per token, perplexity,
     per-layer load, the stream's tokens per character (so nats/character compare across
     tokenizers) and the add-one unigram of the training tokens; plus the loss and per-layer load of
-    the first :data:`FIRST_WINDOWS` windows alone (what the bundled model's test recomputes)."""
+    the first :data:`FIRST_WINDOWS` windows alone (what the bundled model's test recomputes). With
+    ``context``, also the load over the whole held-out documents, each tokenized as a user's text
+    (truncated to ``context``) and routed alone, and over the first :data:`FIRST_DOCUMENTS` of them."""
     from moee.io import iter_jsonl
     from moee.moe.trainer import eval_windows, evaluate, load_tokens, tokenize_to_file, unigram_cross_entropy
 
@@ -127,11 +133,13 @@ def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: 
         "loss": first["loss"],
         "load": [layer["load"] for layer in first["layers"]],
     }
+    if context is not None:
+        from moee.moe.trainer import DocumentSampler, document_load
+
+        docs = DocumentSampler.from_jsonl(data["heldout"], tokenizer, context, 0).documents
+        ev["documents"] = document_load(model, docs, first=FIRST_DOCUMENTS)
     return ev
 
-
-#: Held-out documents whose load is also recorded on their own (``heldout.documents.first``).
-FIRST_DOCUMENTS = 16
 
 #: What the card says of a training stage; kept from an earlier stage's metrics.json.
 STAGE_KEYS = (
@@ -398,7 +406,9 @@ def _documents_lines(ev: dict, m: dict) -> list[str]:
     """The card's balance over whole held-out documents (what ``moee report`` measures)."""
     docs = ev.get("documents")
     if not docs:
-        return ["`moee report` measures the same over whole held-out documents (`analysis/specialization/report.json`)."]
+        return [
+            "`moee report` measures the same over whole held-out documents (`analysis/specialization/report.json`)."
+        ]
     loads = ", ".join(f"{layer['max_over_mean_load']:.3f}" for layer in docs["layers"])
     return [
         "",
@@ -465,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         DocumentSampler,
         WindowSampler,
         calibrate_router_biases,
-        document_load,
         load_config,
         load_tokens,
         tokenize_to_file,
@@ -519,17 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         for p_ in model.parameters():
             p_.copy_(p_.to(storage).to(torch.float32))
     windows = args.heldout_windows or None
-    ev = heldout_figures(model, tokenizer, data, cfg["eval"]["batch_size"], windows)
-    held_docs = DocumentSampler.from_jsonl(data["heldout"], tokenizer, args.context, 0).documents
-    ev["documents"] = {
-        "n": len(held_docs),
-        "layers": document_load(model, held_docs),
-        # the first few alone, which the bundled model's test recomputes
-        "first": {"n": FIRST_DOCUMENTS, "layers": document_load(model, held_docs[:FIRST_DOCUMENTS])},
-    }
-    ev["documents"]["max_over_mean_load_worst"] = max(
-        layer["max_over_mean_load"] for layer in ev["documents"]["layers"]
-    )
+    ev = heldout_figures(model, tokenizer, data, cfg["eval"]["batch_size"], windows, args.context)
     previous = None
     if args.previous:
         pcfg = load_config(args.previous_config)["data"]
@@ -539,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = {
             k: v
             for k, v in heldout_figures(pmodel, ptok, pdata, cfg["eval"]["batch_size"], windows).items()
-            if k not in ("layers", "first_windows", "documents")
+            if k not in ("layers", "first_windows")
         }
 
     out = Path(args.out)

@@ -348,7 +348,25 @@ def load_tokens(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-class WindowSampler:
+class _SeededOrder:
+    """Item ``pos`` of a seeded stream over ``n`` items: epoch e visits them in the permutation
+    drawn from ``numpy.random.default_rng([seed, e])``, so a position is all a resume needs."""
+
+    def __init__(self, n: int, seed: int):
+        self._n = n
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _index(self, pos: int) -> int:
+        epoch, offset = divmod(pos, self._n)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self._n)
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+
+class WindowSampler(_SeededOrder):
     """Deterministic batches of contiguous `seq_len` windows from a flat token stream.
 
     Window i covers tokens [i*seq_len, (i+1)*seq_len). Epoch e visits the windows in the
@@ -359,24 +377,15 @@ class WindowSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
         self.tokens = tokens
         self.seq_len = seq_len
-        self.seed = seed
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < 1:
             raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than one window of {seq_len}")
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
-
-    def _perm_for(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return self._perm
+        super().__init__(self.n_windows, seed)
 
     def batch(self, position: int, batch_size: int) -> torch.Tensor:
         rows = []
         for pos in range(position, position + batch_size):
-            epoch, offset = divmod(pos, self.n_windows)
-            w = int(self._perm_for(epoch)[offset])
+            w = self._index(pos)
             rows.append(np.asarray(self.tokens[w * self.seq_len : (w + 1) * self.seq_len], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))
 
@@ -403,52 +412,68 @@ def unigram_cross_entropy(train_tokens: np.ndarray, eval_tokens: torch.Tensor, v
 # ----------------------------------------------------------------------------- evaluation
 
 
+class _LoadTally:
+    """Per-MoE-layer top-k selection counts (the noise-free decision,
+    `moee.moe.layer.noise_free_balance`) and router importance, summed over forwards."""
+
+    def __init__(self) -> None:
+        self.loads: list[torch.Tensor] = []
+        self.importance: list[torch.Tensor] = []
+
+    def add(self, moe_aux: list[dict]) -> None:
+        step = [(noise_free_balance(a)[0], a["importance"]) for a in moe_aux]
+        if not self.loads:
+            self.loads = [load.clone() for load, _ in step]
+            self.importance = [imp.clone() for _, imp in step]
+            return
+        for i, (load, imp) in enumerate(step):
+            self.loads[i] += load
+            self.importance[i] += imp
+
+    def layers(self) -> list[dict]:
+        """CV with the population std; max/mean = the heaviest expert's load over the mean load
+        (ceiling: experts / top-k); ``dead`` = experts no token selected."""
+        layers = []
+        for load, imp in zip(self.loads, self.importance):
+            stats = balance_stats(imp.float(), load.float())
+            layers.append(
+                {
+                    "cv_load": float(stats["cv_load"]),
+                    "max_over_mean_load": float(stats["max_over_mean_load"]),
+                    "cv_importance": float(stats["cv_importance"]),
+                    "dead": int((load == 0).sum()),
+                    "load": load.tolist(),
+                }
+            )
+        return layers
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> dict:
     """Held-out LM loss/perplexity and per-layer load statistics in eval mode (no gate noise).
 
     Load is the count of top-k selections per expert over all held-out tokens (the noise-free
     decision, `moee.moe.layer.noise_free_balance`, the statistic training logs per batch too);
-    CV uses the population std; max/mean is the heaviest expert's load over the mean load
-    (ceiling: experts / top-k); ``dead`` counts the experts no token selected.
+    see `_LoadTally.layers` for the figures.
     """
     was_training = model.training
     model.eval()
     total_nll = 0.0
     total_tokens = 0
-    loads: list[torch.Tensor] | None = None
-    importance: list[torch.Tensor] | None = None
+    tally = _LoadTally()
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
         out = model(input_ids=batch, labels=batch)
         n = batch.shape[0] * (batch.shape[1] - 1)
         total_nll += out.lm_loss.item() * n
         total_tokens += n
-        if loads is None:
-            loads = [noise_free_balance(a)[0].clone() for a in out.moe_aux]
-            importance = [a["importance"].clone() for a in out.moe_aux]
-        else:
-            for i, a in enumerate(out.moe_aux):
-                loads[i] += noise_free_balance(a)[0]
-                importance[i] += a["importance"]
+        tally.add(out.moe_aux)
     model.train(was_training)
     loss = total_nll / total_tokens
-    layers = []
-    for load, imp in zip(loads or [], importance or []):
-        stats = balance_stats(imp.float(), load.float())
-        layers.append(
-            {
-                "cv_load": float(stats["cv_load"]),
-                "max_over_mean_load": float(stats["max_over_mean_load"]),
-                "cv_importance": float(stats["cv_importance"]),
-                "dead": int((load == 0).sum()),
-                "load": load.tolist(),
-            }
-        )
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": total_tokens, "layers": layers}
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": total_tokens, "layers": tally.layers()}
 
 
-class DocumentSampler:
+class DocumentSampler(_SeededOrder):
     """Deterministic batches of whole documents, each tokenized as a user's text is (special
     tokens, truncated to the context): the input the embedder and the report route, which the
     training windows (cut anywhere in a document stream) do not cover, e.g. position 0 always
@@ -458,9 +483,7 @@ class DocumentSampler:
         if not documents or not all(documents):
             raise ValueError("DocumentSampler needs at least one document, and no empty one")
         self.documents = documents
-        self.seed = seed
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        super().__init__(len(documents), seed)
 
     @classmethod
     def from_jsonl(
@@ -480,51 +503,34 @@ class DocumentSampler:
 
     def batch(self, position: int, batch_size: int) -> list[torch.Tensor]:
         """Documents ``position .. position + batch_size - 1`` of the seeded order (each [1, length])."""
-        n = len(self.documents)
-        rows = []
-        for pos in range(position, position + batch_size):
-            epoch, offset = divmod(pos, n)
-            if epoch != self._perm_epoch:
-                self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
-                self._perm_epoch = epoch
-            i = int(self._perm[offset])
-            rows.append(torch.tensor([self.documents[i]], dtype=torch.long))
-        return rows
+        return [
+            torch.tensor([self.documents[self._index(pos)]], dtype=torch.long)
+            for pos in range(position, position + batch_size)
+        ]
 
 
 @torch.no_grad()
-def document_load(model: torch.nn.Module, documents: list[list[int]]) -> list[dict]:
+def document_load(model: torch.nn.Module, documents: list[list[int]], first: int = 0) -> dict:
     """Per-layer load statistics over whole documents, each forwarded alone (no padding counted),
-    in eval mode: the figure ``moee report`` gives on the same texts (top-k selections per expert
-    over every token; max/mean, CV, dead experts)."""
+    in eval mode: the figure ``moee report`` gives on the same texts (figures as `evaluate`'s,
+    plus the worst layer's max/mean). With ``first``, the figures of the first ``first``
+    documents alone too (``"first"``), from the same forwards."""
     was_training = model.training
     model.eval()
-    loads: list[torch.Tensor] | None = None
-    importance: list[torch.Tensor] | None = None
+    tally = _LoadTally()
+    result: dict = {"n": len(documents)}
     try:
-        for doc in documents:
-            out = model(input_ids=torch.tensor([doc], dtype=torch.long))
-            step = [noise_free_balance(a)[0] for a in out.moe_aux]
-            imps = [a["importance"] for a in out.moe_aux]
-            if loads is None:
-                loads, importance = [x.clone() for x in step], [x.clone() for x in imps]
-            else:
-                for i in range(len(step)):
-                    loads[i] += step[i]
-                    importance[i] += imps[i]
+        for i, doc in enumerate(documents):
+            tally.add(model(input_ids=torch.tensor([doc], dtype=torch.long)).moe_aux)
+            if i + 1 == first:
+                result["first"] = {"n": first, "layers": tally.layers()}
     finally:
         model.train(was_training)
-    layers = []
-    for load, imp in zip(loads or [], importance or []):
-        stats = balance_stats(imp.float(), load.float())
-        layers.append(
-            {
-                "cv_load": float(stats["cv_load"]),
-                "max_over_mean_load": float(stats["max_over_mean_load"]),
-                "dead": int((load == 0).sum()),
-            }
-        )
-    return layers
+    result["layers"] = tally.layers()
+    result["max_over_mean_load_worst"] = max(
+        (x["max_over_mean_load"] for x in result["layers"]), default=None
+    )
+    return result
 
 
 @torch.no_grad()
