@@ -95,13 +95,19 @@ def _fmt_int(n: float) -> str:
 #: Held-out windows whose figures are also recorded on their own (``heldout.first_windows``): few
 #: enough that tests/test_default_model.py recomputes them from the shipped files in seconds.
 FIRST_WINDOWS = 32
+#: Held-out documents whose load is also recorded on their own (``heldout.documents.first``).
+FIRST_DOCUMENTS = 16
 
 
-def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: int | None) -> dict:
+def heldout_figures(
+    model, tokenizer, data: dict, batch_size: int, max_windows: int | None, context: int | None = None
+) -> dict:
     """Held-out LM figures of ``model`` with its own tokenizer: loss per token, perplexity,
     per-layer load, the stream's tokens per character (so nats/character compare across
     tokenizers) and the add-one unigram of the training tokens; plus the loss and per-layer load of
-    the first :data:`FIRST_WINDOWS` windows alone (what the bundled model's test recomputes)."""
+    the first :data:`FIRST_WINDOWS` windows alone (what the bundled model's test recomputes). With
+    ``context``, also the load over the whole held-out documents, each tokenized as a user's text
+    (truncated to ``context``) and routed alone, and over the first :data:`FIRST_DOCUMENTS` of them."""
     from moee.io import iter_jsonl
     from moee.moe.trainer import eval_windows, evaluate, load_tokens, tokenize_to_file, unigram_cross_entropy
 
@@ -127,6 +133,11 @@ def heldout_figures(model, tokenizer, data: dict, batch_size: int, max_windows: 
         "loss": first["loss"],
         "load": [layer["load"] for layer in first["layers"]],
     }
+    if context is not None:
+        from moee.moe.trainer import DocumentSampler, document_load
+
+        docs = DocumentSampler.from_jsonl(data["heldout"], tokenizer, context, 0).documents
+        ev["documents"] = document_load(model, docs, first=FIRST_DOCUMENTS)
     return ev
 
 
@@ -298,8 +309,14 @@ def build_card(m: dict) -> str:
         *(
             [
                 f"- Router biases settled after training on {m['bias_calibration']['steps']} batches of "
-                f"{m['bias_calibration'].get('seq_len', m['seq_len'])}-token training windows "
-                f"(weights frozen, bias step decaying from {m['bias_calibration']['gamma']} to 0)."
+                f"{m['bias_calibration'].get('seq_len', m['seq_len'])}-token training windows"
+                + (
+                    f" and {m['bias_calibration']['documents_per_step']} whole training documents each "
+                    "(tokenized as a user's text)"
+                    if m["bias_calibration"].get("documents_per_step")
+                    else ""
+                )
+                + f" (weights frozen, bias step decaying from {m['bias_calibration']['gamma']} to 0)."
             ]
             if m.get("bias_calibration")
             else []
@@ -346,7 +363,7 @@ def build_card(m: dict) -> str:
             if m["seq_len"] >= m["context"]
             else "(positions beyond were never trained)."
         ),
-        "`moee report` measures the same over whole held-out documents (`analysis/specialization/report.json`).",
+        *_documents_lines(ev, m),
         "",
         "## Data",
         "",
@@ -385,6 +402,22 @@ def build_card(m: dict) -> str:
     return "\n".join(lines)
 
 
+def _documents_lines(ev: dict, m: dict) -> list[str]:
+    """The card's balance over whole held-out documents (what ``moee report`` measures)."""
+    docs = ev.get("documents")
+    if not docs:
+        return [
+            "`moee report` measures the same over whole held-out documents (`analysis/specialization/report.json`)."
+        ]
+    loads = ", ".join(f"{layer['max_over_mean_load']:.3f}" for layer in docs["layers"])
+    return [
+        "",
+        f"Over the {docs['n']} whole held-out documents, each tokenized as a user's text (`[CLS]` first, "
+        f"truncated to {m['context']} tokens) and routed alone, as `moee report` and the embedder see them: "
+        f"max/mean load per layer {loads}; worst **{docs['max_over_mean_load_worst']:.3f}** (target <= 1.5).",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -410,6 +443,20 @@ def main(argv: list[str] | None = None) -> int:
         "balances every position a user's text reaches)",
     )
     p.add_argument(
+        "--calibrate-documents",
+        type=int,
+        default=0,
+        help="whole training documents per calibration step, beside the windows (tokenized as a user's "
+        "text: [CLS] first, truncated to --context), so the biases balance what the embedder and the "
+        "report route too",
+    )
+    p.add_argument(
+        "--calibrate-document-texts",
+        type=int,
+        default=4000,
+        help="the first N training texts the calibration documents are drawn from (default: 4000)",
+    )
+    p.add_argument(
         "--card-only", action="store_true", help="rewrite README.md from --out's metrics.json only"
     )
     args = p.parse_args(argv)
@@ -425,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     import moee.moe.upcycled  # noqa: F401  (registers moee_upcycled)
     from moee.moe.checkpoint import latest_checkpoint, read_state
     from moee.moe.trainer import (
+        DocumentSampler,
         WindowSampler,
         calibrate_router_biases,
         load_config,
@@ -449,8 +497,20 @@ def main(argv: list[str] | None = None) -> int:
         cal_len = args.calibrate_seq_len or data["seq_len"]
         sampler = WindowSampler(train_tokens, cal_len, cfg["seed"])
         start = state["data_position"]
+        documents = None
+        if args.calibrate_documents:
+            documents = DocumentSampler.from_jsonl(
+                data["train"], tokenizer, args.context, cfg["seed"], limit=args.calibrate_document_texts
+            )
         end = calibrate_router_biases(
-            model, sampler, start, args.calibrate_batch_size, args.calibrate_steps, args.calibrate_gamma
+            model,
+            sampler,
+            start,
+            args.calibrate_batch_size,
+            args.calibrate_steps,
+            args.calibrate_gamma,
+            documents=documents,
+            documents_per_step=args.calibrate_documents,
         )
         model.eval()
         calibration = {
@@ -459,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.calibrate_batch_size,
             "seq_len": cal_len,
             "train_windows": [start, end],
+            "documents_per_step": args.calibrate_documents,
+            "document_texts": args.calibrate_document_texts if args.calibrate_documents else 0,
         }
     # ship float16 weights; measure what ships (round-trip the weights through float16)
     storage = torch.float16
@@ -466,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         for p_ in model.parameters():
             p_.copy_(p_.to(storage).to(torch.float32))
     windows = args.heldout_windows or None
-    ev = heldout_figures(model, tokenizer, data, cfg["eval"]["batch_size"], windows)
+    ev = heldout_figures(model, tokenizer, data, cfg["eval"]["batch_size"], windows, args.context)
     previous = None
     if args.previous:
         pcfg = load_config(args.previous_config)["data"]
@@ -573,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         f.chmod(0o644)  # save_pretrained writes weights as 0600; package data must be world-readable
     print(
         f"exported {ckpt} -> {out}: held-out ppl {ev['ppl']:.2f} (unigram {ev['unigram_ppl']:.2f}), "
-        f"{ev['nats_per_char']:.4f} nats/char, worst max/mean load {ev['max_over_mean_load_worst']:.3f}, {size_mb:.1f} MB"
+        f"{ev['nats_per_char']:.4f} nats/char, worst max/mean load {ev['max_over_mean_load_worst']:.3f} "
+        f"(whole documents {ev['documents']['max_over_mean_load_worst']:.3f}), {size_mb:.1f} MB"
     )
     return 0
 

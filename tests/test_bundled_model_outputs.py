@@ -4,8 +4,9 @@
 code before upcycled models took their gates from ``moee.moe.gate_registry`` (their config's old
 ``router_type`` names are migrated on load): embeddings, pooled routing scores, a slice of the LM
 logits and every router's logits, computed on one CPU thread (the summation order, hence the last
-bit, depends on the thread count). The comparison is exact on the torch build and CPU kernels the
-fixture records, and within 1e-5 elsewhere (other kernels round differently). Regenerate it only
+bit, depends on the thread count). The comparison is exact on the torch build and processor the
+fixture records (kernel family, model and feature flags), and within 1e-5 elsewhere (other
+processors round differently in the last bit, about 1e-7 on the embeddings). Regenerate it only
 when the bundled model itself changes:
 ``python -c "import tests.test_bundled_model_outputs as t; t.write_fixture()"``.
 """
@@ -26,8 +27,31 @@ TEXTS = [
 
 
 def build() -> dict[str, str]:
-    """The torch build and CPU kernels outputs are bit-reproducible on."""
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    """The torch build and processor outputs are bit-reproducible on.
+
+    The kernel family alone (``AVX512``) is not enough: two processors of one family (with different
+    AVX-512 extensions) round differently in the last bit, so the processor's model and feature flags
+    are recorded too.
+    """
+    import hashlib
+    import platform
+
+    cpu_model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu_model in ("", platform.machine()):
+                cpu_model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": cpu_model,
+        "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
+    }
 
 
 def bundled_outputs(emb) -> dict[str, torch.Tensor]:

@@ -220,10 +220,8 @@ def test_unigram_cross_entropy_matches_hand_computation():
     assert unigram_cross_entropy(train_tokens, windows, 4) == pytest.approx(expected)
 
 
-def test_router_bias_calibration_rebalances_loss_free_gates():
-    from moee.moe.gates import LossFreeBalancedGate
+def _loss_free_lm():
     from moee.moe.lm import MoEEConfig, MoEEForCausalLM
-    from moee.moe.trainer import calibrate_router_biases
 
     torch.manual_seed(0)
     cfg = MoEEConfig(
@@ -237,7 +235,14 @@ def test_router_bias_calibration_rebalances_loss_free_gates():
         router_type="loss_free",
         router_bias_gamma=0.0,
     )
-    model = MoEEForCausalLM(cfg).eval()
+    return MoEEForCausalLM(cfg).eval()
+
+
+def test_router_bias_calibration_rebalances_loss_free_gates():
+    from moee.moe.gates import LossFreeBalancedGate
+    from moee.moe.trainer import calibrate_router_biases
+
+    model = _loss_free_lm()
     gate = next(m for m in model.modules() if isinstance(m, LossFreeBalancedGate))
     gate.bias[:2] = 1.0  # experts 0 and 1 win every token
     tokens = np.random.default_rng(0).integers(0, 50, size=4000).astype(np.uint16)
@@ -256,6 +261,76 @@ def test_router_bias_calibration_rebalances_loss_free_gates():
     for k, v in model.state_dict().items():  # only the biases moved
         if k in weights:
             assert torch.equal(v, weights[k]), k
+
+
+def test_document_sampler_is_seeded_whole_and_unpadded():
+    from moee.moe.trainer import DocumentSampler
+
+    docs = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    a, b = DocumentSampler(docs, seed=3), DocumentSampler(docs, seed=3)
+    first = [t.tolist() for t in a.batch(0, 4)]
+    assert first == [t.tolist() for t in b.batch(0, 4)]
+    assert sorted(row[0] for row in first) == sorted(docs)  # one epoch: every document once, whole
+    assert all(t.shape[0] == 1 and t.dtype == torch.long for t in a.batch(2, 3))
+    assert [t.tolist() for t in a.batch(4, 4)] != first  # the next epoch reshuffles
+    with pytest.raises(ValueError, match="no empty one"):
+        DocumentSampler([[1], []], seed=0)
+
+
+def test_document_sampler_tokenizes_like_a_users_text(tmp_path):
+    from moee.moe.trainer import DocumentSampler
+
+    class Tok:
+        def __call__(self, texts, add_special_tokens, truncation, max_length):
+            assert add_special_tokens and truncation
+            return {"input_ids": [[101, *range(len(t.split()))][:max_length] for t in texts]}
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in ["a b c", "  ", "d e f g h", "i"]) + "\n")
+    s = DocumentSampler.from_jsonl(corpus, Tok(), max_length=4, seed=0, limit=2)
+    assert s.documents == [[101, 0, 1, 2], [101, 0, 1, 2]]  # the blank text skipped, truncated to 4
+
+
+def test_document_load_counts_each_document_alone():
+    from moee.moe.trainer import document_load, evaluate
+
+    model = _loss_free_lm()
+    docs = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    got = document_load(model, docs, first=1)
+    loads = [
+        torch.tensor(evaluate(model, torch.tensor([d]), 1)["layers"][0]["load"], dtype=torch.float64)
+        for d in docs
+    ]
+    total = loads[0] + loads[1]
+    assert total.sum() == 8 * 2  # 8 tokens x top-2: no padding position counted
+    layer = got["layers"][0]
+    assert got["n"] == 2 and layer["load"] == total.tolist()
+    assert layer["max_over_mean_load"] == pytest.approx(float(total.max() / total.mean()))
+    assert got["max_over_mean_load_worst"] == layer["max_over_mean_load"]
+    assert layer["dead"] == int((total == 0).sum())
+    assert got["first"] == {"n": 1, "layers": evaluate(model, torch.tensor([docs[0]]), 1)["layers"]}
+    assert not model.training
+
+
+def test_router_bias_calibration_on_documents_balances_them():
+    from moee.moe.gates import LossFreeBalancedGate
+    from moee.moe.trainer import DocumentSampler, calibrate_router_biases, document_load
+
+    model = _loss_free_lm()
+    gate = next(m for m in model.modules() if isinstance(m, LossFreeBalancedGate))
+    gate.bias[:2] = 1.0
+    rng = np.random.default_rng(0)
+    docs = [list(map(int, rng.integers(0, 50, size=int(rng.integers(3, 30))))) for _ in range(300)]
+    probe, train_docs = docs[:40], DocumentSampler(docs[40:], seed=0)
+    assert document_load(model, probe)["max_over_mean_load_worst"] == pytest.approx(4.0)
+    tokens = np.zeros(40, dtype=np.uint16)
+    with pytest.raises(ValueError, match="DocumentSampler"):
+        calibrate_router_biases(model, WindowSampler(tokens, 20, 0), 0, 0, 5, 0.05, documents_per_step=4)
+    end = calibrate_router_biases(
+        model, WindowSampler(tokens, 20, 0), 0, 0, 100, 0.05, documents=train_docs, documents_per_step=8
+    )
+    assert end == 0 and gate.auto_update and float(gate.pending_load.sum()) == 0
+    assert document_load(model, probe)["max_over_mean_load_worst"] < 1.6
 
 
 # ----------------------------------------------------------------------------- reliability

@@ -348,7 +348,25 @@ def load_tokens(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-class WindowSampler:
+class _SeededOrder:
+    """Item ``pos`` of a seeded stream over ``n`` items: epoch e visits them in the permutation
+    drawn from ``numpy.random.default_rng([seed, e])``, so a position is all a resume needs."""
+
+    def __init__(self, n: int, seed: int):
+        self._n = n
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _index(self, pos: int) -> int:
+        epoch, offset = divmod(pos, self._n)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self._n)
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+
+class WindowSampler(_SeededOrder):
     """Deterministic batches of contiguous `seq_len` windows from a flat token stream.
 
     Window i covers tokens [i*seq_len, (i+1)*seq_len). Epoch e visits the windows in the
@@ -359,24 +377,15 @@ class WindowSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
         self.tokens = tokens
         self.seq_len = seq_len
-        self.seed = seed
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < 1:
             raise ValueError(f"the corpus has {len(tokens)} tokens, fewer than one window of {seq_len}")
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
-
-    def _perm_for(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return self._perm
+        super().__init__(self.n_windows, seed)
 
     def batch(self, position: int, batch_size: int) -> torch.Tensor:
         rows = []
         for pos in range(position, position + batch_size):
-            epoch, offset = divmod(pos, self.n_windows)
-            w = int(self._perm_for(epoch)[offset])
+            w = self._index(pos)
             rows.append(np.asarray(self.tokens[w * self.seq_len : (w + 1) * self.seq_len], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))
 
@@ -403,61 +412,148 @@ def unigram_cross_entropy(train_tokens: np.ndarray, eval_tokens: torch.Tensor, v
 # ----------------------------------------------------------------------------- evaluation
 
 
+class _LoadTally:
+    """Per-MoE-layer top-k selection counts (the noise-free decision,
+    `moee.moe.layer.noise_free_balance`) and router importance, summed over forwards."""
+
+    def __init__(self) -> None:
+        self.loads: list[torch.Tensor] = []
+        self.importance: list[torch.Tensor] = []
+
+    def add(self, moe_aux: list[dict]) -> None:
+        step = [(noise_free_balance(a)[0], a["importance"]) for a in moe_aux]
+        if not self.loads:
+            self.loads = [load.clone() for load, _ in step]
+            self.importance = [imp.clone() for _, imp in step]
+            return
+        for i, (load, imp) in enumerate(step):
+            self.loads[i] += load
+            self.importance[i] += imp
+
+    def layers(self) -> list[dict]:
+        """CV with the population std; max/mean = the heaviest expert's load over the mean load
+        (ceiling: experts / top-k); ``dead`` = experts no token selected."""
+        layers = []
+        for load, imp in zip(self.loads, self.importance):
+            stats = balance_stats(imp.float(), load.float())
+            layers.append(
+                {
+                    "cv_load": float(stats["cv_load"]),
+                    "max_over_mean_load": float(stats["max_over_mean_load"]),
+                    "cv_importance": float(stats["cv_importance"]),
+                    "dead": int((load == 0).sum()),
+                    "load": load.tolist(),
+                }
+            )
+        return layers
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> dict:
     """Held-out LM loss/perplexity and per-layer load statistics in eval mode (no gate noise).
 
     Load is the count of top-k selections per expert over all held-out tokens (the noise-free
     decision, `moee.moe.layer.noise_free_balance`, the statistic training logs per batch too);
-    CV uses the population std; max/mean is the heaviest expert's load over the mean load
-    (ceiling: experts / top-k); ``dead`` counts the experts no token selected.
+    see `_LoadTally.layers` for the figures.
     """
     was_training = model.training
     model.eval()
     total_nll = 0.0
     total_tokens = 0
-    loads: list[torch.Tensor] | None = None
-    importance: list[torch.Tensor] | None = None
+    tally = _LoadTally()
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
         out = model(input_ids=batch, labels=batch)
         n = batch.shape[0] * (batch.shape[1] - 1)
         total_nll += out.lm_loss.item() * n
         total_tokens += n
-        if loads is None:
-            loads = [noise_free_balance(a)[0].clone() for a in out.moe_aux]
-            importance = [a["importance"].clone() for a in out.moe_aux]
-        else:
-            for i, a in enumerate(out.moe_aux):
-                loads[i] += noise_free_balance(a)[0]
-                importance[i] += a["importance"]
+        tally.add(out.moe_aux)
     model.train(was_training)
     loss = total_nll / total_tokens
-    layers = []
-    for load, imp in zip(loads or [], importance or []):
-        stats = balance_stats(imp.float(), load.float())
-        layers.append(
-            {
-                "cv_load": float(stats["cv_load"]),
-                "max_over_mean_load": float(stats["max_over_mean_load"]),
-                "cv_importance": float(stats["cv_importance"]),
-                "dead": int((load == 0).sum()),
-                "load": load.tolist(),
-            }
-        )
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": total_tokens, "layers": layers}
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": total_tokens, "layers": tally.layers()}
+
+
+class DocumentSampler(_SeededOrder):
+    """Deterministic batches of whole documents, each tokenized as a user's text is (special
+    tokens, truncated to the context): the input the embedder and the report route, which the
+    training windows (cut anywhere in a document stream) do not cover, e.g. position 0 always
+    holding the first token of a document."""
+
+    def __init__(self, documents: list[list[int]], seed: int):
+        if not documents or not all(documents):
+            raise ValueError("DocumentSampler needs at least one document, and no empty one")
+        self.documents = documents
+        super().__init__(len(documents), seed)
+
+    @classmethod
+    def from_jsonl(
+        cls, jsonl: str | os.PathLike, tokenizer: Any, max_length: int, seed: int, limit: int | None = None
+    ) -> DocumentSampler:
+        """The first ``limit`` non-empty texts of a JSONL corpus (field ``text``), tokenized."""
+        from moee.io import iter_jsonl
+
+        texts = []
+        for _, row in iter_jsonl(jsonl):
+            if str(row.get("text") or "").strip():
+                texts.append(row["text"])
+                if limit is not None and len(texts) >= limit:
+                    break
+        ids = tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+        return cls([list(map(int, x)) for x in ids], seed)
+
+    def batch(self, position: int, batch_size: int) -> list[torch.Tensor]:
+        """Documents ``position .. position + batch_size - 1`` of the seeded order (each [1, length])."""
+        return [
+            torch.tensor([self.documents[self._index(pos)]], dtype=torch.long)
+            for pos in range(position, position + batch_size)
+        ]
+
+
+@torch.no_grad()
+def document_load(model: torch.nn.Module, documents: list[list[int]], first: int = 0) -> dict:
+    """Per-layer load statistics over whole documents, each forwarded alone (no padding counted),
+    in eval mode: the figure ``moee report`` gives on the same texts (figures as `evaluate`'s,
+    plus the worst layer's max/mean). With ``first``, the figures of the first ``first``
+    documents alone too (``"first"``), from the same forwards."""
+    was_training = model.training
+    model.eval()
+    tally = _LoadTally()
+    result: dict = {"n": len(documents)}
+    try:
+        for i, doc in enumerate(documents):
+            tally.add(model(input_ids=torch.tensor([doc], dtype=torch.long)).moe_aux)
+            if i + 1 == first:
+                result["first"] = {"n": first, "layers": tally.layers()}
+    finally:
+        model.train(was_training)
+    result["layers"] = tally.layers()
+    result["max_over_mean_load_worst"] = max(
+        (x["max_over_mean_load"] for x in result["layers"]), default=None
+    )
+    return result
 
 
 @torch.no_grad()
 def calibrate_router_biases(
-    model: torch.nn.Module, sampler: WindowSampler, position: int, batch_size: int, steps: int, gamma: float
+    model: torch.nn.Module,
+    sampler: WindowSampler,
+    position: int,
+    batch_size: int,
+    steps: int,
+    gamma: float,
+    documents: DocumentSampler | None = None,
+    documents_per_step: int = 0,
 ) -> int:
     """Settle the selection biases of loss-free gates with all weights frozen.
 
-    Runs `steps` forward passes over training windows (from data `position`) in train mode,
-    so each `LossFreeBalancedGate` applies its own update rule, with the bias step decaying
+    Runs `steps` calibration steps in train mode: each forwards `batch_size` training windows
+    (from data `position`) and, with `documents`, `documents_per_step` whole documents one at a
+    time (so no padding is counted); the loads of the step accumulate and each
+    `LossFreeBalancedGate` then applies its own update rule once, with the bias step decaying
     linearly from `gamma` to 0. A constant step leaves the final bias anywhere within about one
-    step of the balance point; the decay lets it settle. Returns the new data position.
+    step of the balance point; the decay lets it settle. Windows alone balance the positions a
+    window reaches; documents add what a user's text looks like (a document start at position
+    0, short texts). Returns the new window position.
     """
     from moee.moe.gates import LossFreeBalancedGate
 
@@ -466,18 +562,29 @@ def calibrate_router_biases(
         return position
     if not gamma > 0:
         raise ValueError(f"calibration gamma must be > 0, got {gamma}")
+    if documents_per_step and documents is None:
+        raise ValueError("documents_per_step needs a DocumentSampler (documents=...)")
     was_training = model.training
     saved = [(g.gamma, g.auto_update) for g in gates]
     model.train()
     try:
+        for g in gates:
+            g.auto_update = False
+            g.pending_load.zero_()
         for t in range(steps):
+            if batch_size:
+                model(input_ids=sampler.batch(position, batch_size))
+                position += batch_size
+            if documents_per_step:
+                for doc in documents.batch(t * documents_per_step, documents_per_step):
+                    model(input_ids=doc)
             for g in gates:
-                g.gamma, g.auto_update = gamma * (1.0 - t / steps), True
-            model(input_ids=sampler.batch(position, batch_size))
-            position += batch_size
+                g.gamma = gamma * (1.0 - t / steps)
+                g.update_bias()
     finally:
         for g, (gm, auto) in zip(gates, saved):
             g.gamma, g.auto_update = gm, auto
+            g.pending_load.zero_()
         model.train(was_training)
     return position
 
