@@ -50,7 +50,7 @@ for step in "${STEPS[@]}"; do
       $PY -m moee.cli ablate --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
         --max-tokens 720 --per-domain-tokens 80 --batch-size 32 --swap-from build/default-model-ctx128 \
         --out analysis/router_swap --overwrite ;;
-    steer)  # the ablation's two most important experts, boosted and suppressed (why: analysis/steering/README.md)
+    steer)  # the ablation's two most important experts, boosted and suppressed (reading: analysis/README.md)
       top2=$($PY -c 'import json; r = json.load(open("analysis/ablation_experts/importance.json"))
 print(" ".join("%d:%d" % (e["layer"], e["expert"]) for e in sorted(r["experts"], key=lambda e: -e["delta"])[:2]))')
       for case in boost=0.5 suppress=-0.5; do
