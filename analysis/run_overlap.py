@@ -19,6 +19,7 @@ from moee.analysis.overlap import METRICS, overlap_for_texts, plot_overlap_sweep
 from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
 from moee.io import run_metadata, write_json_atomic
+from moee.provenance import model_label
 
 DATASETS = {"wordnet": "wordnet_supersense_clustering", "fortunes": "fortunes_clustering"}
 PROMPTS = {"raw": None, "prompteol": "prompteol"}
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     meta = {
         **run_metadata(["python", *sys.argv]),
-        "model": str(embedder.name_or_path),
+        "model": model_label(embedder.name_or_path),
         "seed": args.seed,
         "datasets": DATASETS,
         "ks": list(KS),

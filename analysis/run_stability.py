@@ -19,6 +19,7 @@ from moee.analysis.stability import plot_stability_heatmap, prompt_stability
 from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
 from moee.io import run_metadata, write_json_atomic
+from moee.provenance import model_label
 
 PAPER = {"hs_hs": 0.52, "rw_rw": 0.63, "rw_hs": 0.51}
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Prompt stability (RW vs HS)",
         "",
-        f"Model: `{embedder.name_or_path}`. Command: `python {' '.join(sys.argv)}`.",
+        f"Model: `{model_label(embedder.name_or_path)}`. Command: `python {' '.join(sys.argv)}`.",
         "",
         "Mean Spearman correlation between the pair-similarity vectors of two prompts: HS-HS and RW-RW over "
         "the 36 pairs of distinct prompts, RW-HS over all 81 (RW prompt, HS prompt) combinations "
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 + " | ".join(f"{res['gold'][f'{m}:{p}']:.3f}" for p in res["prompts"])
                 + " |"
             )
-    meta = {**run_metadata(["python", *sys.argv]), "model": str(embedder.name_or_path)}
+    meta = {**run_metadata(["python", *sys.argv]), "model": model_label(embedder.name_or_path)}
     write_json_atomic(out / "stability.json", {"meta": meta, "paper": PAPER, "results": results})
     (out / "stability.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -78,6 +78,22 @@ def command_string(command: str | Sequence[str] | None = None) -> str:
     return shlex.join(list(sys.argv if command is None else command))
 
 
+def model_label(name_or_path: str | os.PathLike) -> str:
+    """How a result file names its model: a Hub id or relative path as given, a local folder under
+    the working directory (or the bundled model, under the moee package's parent) relative to it,
+    so a result committed with the project does not carry the folder of the machine that made it;
+    any other path as given (it names the user's own folder)."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        return text
+    path = path.resolve()
+    for root in (Path.cwd().resolve(), Path(__file__).resolve().parent.parent):
+        if path.is_relative_to(root):
+            return path.relative_to(root).as_posix()
+    return text
+
+
 def utc_timestamp(*, zulu: bool = False) -> str:
     """The current UTC time to the second: ``2026-01-02T03:04:05+00:00`` (or ``...05Z``)."""
     now = _dt.datetime.now(_dt.timezone.utc)

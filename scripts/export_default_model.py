@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import moee.moe.lm  # noqa: F401  (registers moee_lm, the previous model)
     import moee.moe.upcycled  # noqa: F401  (registers moee_upcycled)
+    from moee.embed.config import drop_model_reference
     from moee.moe.checkpoint import latest_checkpoint, read_state
     from moee.moe.trainer import (
         DocumentSampler,
@@ -522,11 +523,13 @@ def main(argv: list[str] | None = None) -> int:
             "documents_per_step": args.calibrate_documents,
             "document_texts": args.calibrate_document_texts if args.calibrate_documents else 0,
         }
-    # ship float16 weights; measure what ships (round-trip the weights through float16)
+    # ship float16 weights; measure what ships: round-trip everything saved through float16, the
+    # persistent buffers too (the routers' calibrated selection biases are buffers)
     storage = torch.float16
     with torch.no_grad():
-        for p_ in model.parameters():
-            p_.copy_(p_.to(storage).to(torch.float32))
+        for t_ in model.state_dict().values():
+            if t_.is_floating_point():
+                t_.copy_(t_.to(storage).to(torch.float32))
     windows = args.heldout_windows or None
     ev = heldout_figures(model, tokenizer, data, cfg["eval"]["batch_size"], windows, args.context)
     previous = None
@@ -543,6 +546,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    retired = drop_model_reference(out)  # fitted on the weights this export replaces
+    if retired:
+        print(
+            f"export: {out}'s reference statistics {retired} were fitted on the weights replaced here: "
+            f"removed; run moee fit-reference --save-to-model {out}",
+            file=sys.stderr,
+        )
     for stale in out.glob("*.safetensors"):
         stale.unlink()
     tokenizer.model_max_length = args.context
@@ -552,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     saved = json.loads(config_path.read_text())
     saved["dtype"] = "float32"  # load and compute in float32 on every device; storage stays float16
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    # the documents were tokenized with truncation, which a fast tokenizer keeps as state: ship none
+    tokenizer.backend_tokenizer.no_truncation()
     tokenizer.save_pretrained(out)
     shutil.copy(data["heldout"], out / "heldout.jsonl")
 
@@ -579,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs_seen": steps * bs * seq_len / max(1, ev["train_tokens"]),
         "tokens_per_s": tok_s,
         "train_minutes": steps * bs * seq_len / tok_s / 60 if tok_s == tok_s and tok_s > 0 else float("nan"),
-        "threads": cfg["threads"],
+        "threads": state.get("config", {}).get("threads", cfg["threads"]),  # what the run used
         "machine": f"{platform.machine()} Linux VM with 2 CPU cores shared with other jobs",
         "bias_calibration": calibration,
         "heldout": ev,

@@ -231,6 +231,16 @@ def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> 
     assert len(steering["null"]["draws"]) == 2 and steering["null"]["seed"] == 0
     reading = (out / "README.md").read_text()
     assert "# Expert steering" in reading and "1:2 +2" in reading and "of 2 null draws" in reading
+    # the recorded command re-runs: --steer and --experts as typed, not as parsed Python tuples
+    import shlex
+
+    command = shlex.split(steering["meta"]["command"])
+    assert command[command.index("--steer") + 1] == "1:2=2.0"
+    assert main([*argv, "--overwrite", "--experts", "1:3", "1:5"]) == 0
+    command = shlex.split(json.loads((out / "importance.json").read_text())["meta"]["command"])
+    at = command.index("--experts")
+    assert command[at + 1 : at + 3] == ["1:3", "1:5"]
+    assert main([*command[1:], "--overwrite"]) == 0  # the line itself runs
 
 
 def test_build_corpus_caps_tokens_overall_and_per_domain(tiny_embedder) -> None:
@@ -260,3 +270,16 @@ def test_routing_table_round_trips_through_parquet_and_pandas(tiny_embedder, tmp
     assert len(second.layer0_probs.iloc[0]) == tiny_embedder.n_experts
     path = write_routing_parquet(table, tmp_path / "routes.parquet")
     assert pq.read_table(path).equals(table)
+
+
+def test_recovered_is_only_a_share_of_a_null_above_its_noise() -> None:
+    from moee.analysis.expert_importance import _above_noise, _spread
+
+    assert _above_noise(_spread([0.0121 - 0.006, 0.0121, 0.0121 + 0.006]))  # mean 2.5 standard errors up
+    assert not _above_noise(_spread([-0.004, 0.0002, 0.0044]))  # indistinguishable from zero
+    assert not _above_noise(_spread([0.01, 0.02, -0.03]))  # negative
+    assert _above_noise(_spread([0.003]))  # one draw: positive is all that can be asked
+    assert not _above_noise(_spread([0.0]))
+    # two draws: the standard error is the population sd over sqrt(1)
+    assert not _above_noise(_spread([0.0, 2.0]))  # mean 1, standard error 1: below 2
+    assert _above_noise(_spread([1.5, 2.0]))  # mean 1.75, standard error 0.25

@@ -62,6 +62,10 @@ def test_bundled_model_ships_its_heldout_sample_and_card_figures():
     assert held["loss"] < held["unigram_loss"]  # it predicts text better than a unigram
     assert held["max_over_mean_load_worst"] <= 1.5
     assert all(layer["max_over_mean_load"] <= 1.5 for layer in held["layers"])
+    # whole documents, as the embedder and `moee report` route them (position 0 = [CLS])
+    docs = held["documents"]
+    assert docs["n"] == len(rows)
+    assert all(layer["max_over_mean_load"] <= 1.5 for layer in docs["layers"])
 
 
 #: Held-out windows the test recomputes (the export records the same count as ``first_windows``).
@@ -101,6 +105,21 @@ def _heldout_problems(model, tok, cache_dir) -> list[str]:
         if gap > share_tol:
             problems.append(f"layer {i}: expert load shares differ from metrics.json by up to {gap:.3f}")
     return problems
+
+
+def test_bundled_model_reproduces_its_document_load(bundled):
+    """The per-layer max/mean load over the first held-out documents, each tokenized as a user's
+    text and routed alone, equals the export's record (``heldout.documents.first``)."""
+    from moee.moe.trainer import DocumentSampler, document_load
+
+    model, tok = bundled
+    metrics = json.loads((DEFAULT_MODEL / "metrics.json").read_text())
+    first = metrics["heldout"]["documents"]["first"]
+    docs = DocumentSampler.from_jsonl(
+        DEFAULT_MODEL / "heldout.jsonl", tok, metrics["context"], 0, limit=first["n"]
+    )
+    got = [layer["max_over_mean_load"] for layer in document_load(model, docs.documents)["layers"]]
+    assert got == pytest.approx([layer["max_over_mean_load"] for layer in first["layers"]], abs=1e-3)
 
 
 def test_bundled_model_reproduces_its_heldout_loss_and_load(bundled, tmp_path):

@@ -14,6 +14,7 @@ from moee.embed.config import (
     MODEL_CONFIG_FILE,
     MODEL_DEFAULT,
     EmbeddingConfig,
+    drop_model_reference,
     load_model_config,
     resolve_config,
     save_model_config,
@@ -175,3 +176,24 @@ def test_save_pretrained_brings_a_reference_along(own_embedder, tmp_path):
     again = MoEEmbedder.from_pretrained(moved, device="cpu")
     assert again.model_config.reference == str(moved / "ref.safetensors")
     np.testing.assert_allclose(again.encode(TEXTS), emb.encode(TEXTS), atol=1e-5)
+
+
+def test_a_rewritten_model_drops_its_reference_and_keeps_the_rest(own_embedder, tmp_path):
+    """What an export does before it writes new weights into a folder with fitted statistics."""
+    ref = own_embedder.fit_reference(TEXTS * 2, tmp_path / "fitted" / "ref")
+    folder = tmp_path / "model"
+    save_model_config(OWN.replace(reference=str(ref)), folder, prompts={"query": "prompteol"})
+    assert drop_model_reference(folder) == "ref.safetensors"
+    assert not (folder / "ref.safetensors").exists() and not (folder / "ref.json").exists()
+    assert ref.is_file()  # the fitted original is not the folder's to remove
+    assert load_model_config(folder) == OWN  # method, pooling, prompt, score kept
+    assert json.loads((folder / MODEL_CONFIG_FILE).read_text())["prompts"] == {"query": "prompteol"}
+    assert drop_model_reference(folder) is None  # nothing left to drop
+    assert drop_model_reference(tmp_path / "no-config") is None
+    # a reference named by an absolute path outside the folder: its name goes, its files stay
+    doc = json.loads((folder / MODEL_CONFIG_FILE).read_text())
+    doc["config"]["reference"] = str(ref)
+    (folder / MODEL_CONFIG_FILE).write_text(json.dumps(doc))
+    assert drop_model_reference(folder) == str(ref)
+    assert ref.is_file() and ref.with_suffix(".json").is_file()
+    assert load_model_config(folder) == OWN

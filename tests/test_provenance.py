@@ -44,3 +44,16 @@ def test_benchmark_results_keep_their_keys(tmp_path):
     record = json.loads(path.read_text())
     assert list(record)[:6] == ["benchmark", "utc", "command", "env", "machine", "versions"]
     assert record["utc"].endswith("Z") and "faiss-gpu-cu12" in record["versions"]
+
+
+def test_a_result_names_its_model_without_the_machines_folder(tmp_path, monkeypatch):
+    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.provenance import model_label
+
+    assert model_label("allenai/OLMoE-1B-7B-0924") == "allenai/OLMoE-1B-7B-0924"  # a Hub id as given
+    assert model_label("runs/model") == "runs/model"  # relative: as given
+    assert model_label(DEFAULT_MODEL_DIR) == "moee/assets/default-model"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    assert model_label(tmp_path / "models" / "mine") == "models/mine"
+    assert model_label("/somewhere/else/model-x") == "/somewhere/else/model-x"  # the user's own: as given

@@ -523,6 +523,15 @@ def _spread(values: Sequence[float]) -> dict[str, Any]:
     return {"mean": float(t.mean()), "std": float(t.std(unbiased=False)), "draws": [float(v) for v in values]}
 
 
+def _above_noise(spread: dict[str, Any]) -> bool:
+    """Whether a null's mean cost is positive and, with two or more draws, above twice its
+    standard error: a ratio to a null that is indistinguishable from zero is noise (a layer
+    whose scrambled router costs nothing measurable has no cost to recover)."""
+    n = len(spread["draws"])
+    standard_error = spread["std"] / math.sqrt(n - 1) if n > 1 else 0.0
+    return spread["mean"] > 0 and spread["mean"] > 2 * standard_error
+
+
 def router_swap(
     model: nn.Module,
     donor: nn.Module,
@@ -538,8 +547,9 @@ def router_swap(
     layer's, comes from ``donor`` (same architecture), beside its null: the same layer(s) routed by
     their own router with the expert order permuted (:func:`moee.capture.interventions.permute_router`,
     ``null_draws`` derangements, draw ``j`` of layer ``i`` seeded ``seed + 1000 j + i``; the "all" row
-    permutes every layer with the same permutations). ``recovered`` = 1 - delta / null (null > 0):
-    the share of a scrambled router's cost the donor's router does not pay."""
+    permutes every layer with the same permutations). ``recovered`` = 1 - delta / null: the share of
+    a scrambled router's cost the donor's router does not pay; ``None`` where the null is not above
+    its noise (:func:`_above_noise`: positive and above twice its standard error)."""
     if null and null_draws < 1:
         raise ValueError(f"null_draws must be at least 1, got {null_draws}")
     specs = find_routers(model)
@@ -575,7 +585,7 @@ def router_swap(
             row["null_by_domain"] = {
                 d: sum(by[d] for _, by in effects) / len(effects) for d in base.domain_names
             }
-            row["recovered"] = 1.0 - delta / row["null"] if row["null"] > 0 else None
+            row["recovered"] = 1.0 - delta / row["null"] if _above_noise(spread) else None
         rows.append(row)
     return {
         "n_tokens": len(base.losses),

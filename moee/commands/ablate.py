@@ -38,10 +38,24 @@ from typing import Any
 OUTPUTS = ("importance.json", "experts.csv", "README.md", "swap.json", "swap.csv", "steering.json")
 
 
+class _Expert(tuple):
+    """``(layer, expert)`` parsed from ``L:E``; prints as ``L:E`` so the recorded command re-runs."""
+
+    def __str__(self) -> str:
+        return f"{self[0]}:{self[1]}"
+
+
+class _Steer(tuple):
+    """``((layer, expert), bias)`` parsed from ``L:E=BIAS``; prints as ``L:E=BIAS``."""
+
+    def __str__(self) -> str:
+        return f"{self[0]}={self[1]!r}"
+
+
 def _pair(text: str) -> tuple[int, int]:
     try:
         layer, expert = text.split(":")
-        return int(layer), int(expert)
+        return _Expert((int(layer), int(expert)))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected LAYER:EXPERT (MoE-layer position), got {text!r}"
@@ -51,8 +65,8 @@ def _pair(text: str) -> tuple[int, int]:
 def _steer(text: str) -> tuple[tuple[int, int], float]:
     try:
         pair, value = text.split("=")
-        return _pair(pair), float(value)
-    except ValueError:
+        return _Steer((_pair(pair), float(value)))
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"expected LAYER:EXPERT=BIAS, got {text!r}") from None
 
 
@@ -211,7 +225,8 @@ def swap_markdown(result: dict[str, Any], command: str) -> str:
         f"Donor: `{result['donor']}` (weights digest `{result.get('donor_digest')}`); the model: "
         f"{result['meta']['model']} (`{result['meta']['weights_digest']}`). {result['n_tokens']} predicted tokens, "
         f"base loss {result['base']['loss']:.4f} nats/token.",
-        f"Null: {result['null'] or 'not run'}. recovered = 1 - swap / null.",
+        f"Null: {result['null'] or 'not run'}. recovered = 1 - swap / null, given where the null is above "
+        "its noise (positive and more than twice its standard error over the draws); n/a elsewhere.",
         "",
         "| router replaced | swap (nats/token) | null | null sd | recovered |",
         "|---|---:|---:|---:|---:|",

@@ -62,6 +62,7 @@ __all__ = [
     "EmbeddingConfig",
     "check_trace_settings",
     "config_label",
+    "drop_model_reference",
     "load_model_config",
     "load_model_prompts",
     "normalize_prompts",
@@ -722,3 +723,30 @@ def save_model_config(
     path = directory / MODEL_CONFIG_FILE
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def drop_model_reference(directory: str | PathLike) -> str | None:
+    """Remove the reference statistics a model folder's :data:`MODEL_CONFIG_FILE` names (their name
+    in the file, and the ``.safetensors`` and ``.json`` pair when it lies in the folder); returns
+    the name, or ``None`` when it names none.
+
+    Why: statistics are fitted on one set of weights; a folder whose weights are rewritten (a new
+    export of a model) must not keep standardising with the old ones, nor name files it lacks. The
+    rest of the configuration (method, pooling, prompts) stays; ``moee fit-reference
+    --save-to-model`` fits new statistics."""
+    directory = Path(directory)
+    path = directory / MODEL_CONFIG_FILE
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    values = doc.get("config") if isinstance(doc, dict) else None
+    reference = values.pop("reference", None) if isinstance(values, dict) else None
+    if not isinstance(reference, str):
+        return None
+    if not Path(reference).is_absolute():  # a file outside the folder is not the folder's to remove
+        from moee.embed.reference import reference_paths
+
+        for stale in reference_paths(directory / reference):
+            stale.unlink(missing_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return reference

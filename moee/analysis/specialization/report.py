@@ -497,7 +497,9 @@ def build_report(
         if len(set(by_layer)) == 1
         else "; ".join(f"L{i}: {name}" for i, name in enumerate(by_layer))
     )
-    report["summary"]["model"] = str(getattr(embedder, "name_or_path", type(embedder.model).__name__))
+    from moee.provenance import model_label
+
+    report["summary"]["model"] = model_label(getattr(embedder, "name_or_path", type(embedder.model).__name__))
     return report
 
 
