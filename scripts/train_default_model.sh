@@ -20,9 +20,11 @@
 #    the shuffled training corpus, under the model's own configuration), part of its configuration.
 # Provenance of the committed model: its stage 2 started from a stage-1 export made by an earlier
 # revision of the export's bias calibration, and its own export settled the biases with dropout on
-# (train mode) and an unseeded generator, so a rerun gives nearby, not equal, biases (measured: worst
-# max/mean 1.338 on held-out windows and 1.385 on whole documents against the committed 1.315 / 1.305;
-# the other weights bit-equal). The card's figures are the committed files' own (tests recompute them).
+# (the calibration then ran the whole model in train mode, drawing from an unseeded generator), so a
+# rerun of that export gave nearby, not equal, biases (worst max/mean 1.338 on held-out windows and
+# 1.385 on whole documents against the committed 1.315 / 1.305; every other weight bit-equal). The
+# calibration now runs without dropout and is deterministic; the card's figures are the committed
+# files' own (tests recompute them).
 # Needs build/corpus (scripts/build_corpus.py). Every stage is resumable: a finished stage is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -263,6 +263,43 @@ def test_router_bias_calibration_rebalances_loss_free_gates():
             assert torch.equal(v, weights[k]), k
 
 
+def test_router_bias_calibration_runs_without_dropout_and_whatever_the_generator():
+    """Only the gates count loads; every other module is in eval mode (no dropout), so two
+    calibrations from the same weights agree whatever the global generator's state."""
+    import copy
+
+    from moee.moe.gates import LossFreeBalancedGate
+    from moee.moe.trainer import calibrate_router_biases
+
+    model = _loss_free_lm()
+    seen: dict[str, bool] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, mod.training))
+        for name, m in model.named_modules()
+    ]
+    tokens = np.random.default_rng(0).integers(0, 50, size=2000).astype(np.uint16)
+    first, second = model, copy.deepcopy(model)
+    torch.manual_seed(1)
+    calibrate_router_biases(first, WindowSampler(tokens, 20, 0), 0, 8, steps=10, gamma=0.05)
+    for h in hooks:
+        h.remove()
+    gates = {n for n, m in first.named_modules() if isinstance(m, LossFreeBalancedGate)}
+    assert gates and all(seen[n] for n in gates)
+    inside_gates = {n for n in seen if any(n == g or n.startswith(g + ".") for g in gates)}
+    assert [n for n, training in seen.items() if training and n not in inside_gates] == []
+    torch.manual_seed(2)
+    calibrate_router_biases(second, WindowSampler(tokens, 20, 0), 0, 8, steps=10, gamma=0.05)
+    biases = [
+        (a.bias, b.bias)
+        for a, b in zip(
+            (m for m in first.modules() if isinstance(m, LossFreeBalancedGate)),
+            (m for m in second.modules() if isinstance(m, LossFreeBalancedGate)),
+        )
+    ]
+    assert all(torch.equal(a, b) for a, b in biases) and any(a.abs().sum() > 0 for a, _ in biases)
+    assert not first.training and all(not m.training for m in first.modules())
+
+
 def test_document_sampler_is_seeded_whole_and_unpadded():
     from moee.moe.trainer import DocumentSampler
 

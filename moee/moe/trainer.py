@@ -546,7 +546,8 @@ def calibrate_router_biases(
 ) -> int:
     """Settle the selection biases of loss-free gates with all weights frozen.
 
-    Runs `steps` calibration steps in train mode: each forwards `batch_size` training windows
+    Runs `steps` calibration steps with the model in eval mode (no dropout, so the result is
+    deterministic and matches inference) and only the gates in train mode: each forwards `batch_size` training windows
     (from data `position`) and, with `documents`, `documents_per_step` whole documents one at a
     time (so no padding is counted); the loads of the step accumulate and each
     `LossFreeBalancedGate` then applies its own update rule once, with the bias step decaying
@@ -566,9 +567,10 @@ def calibrate_router_biases(
         raise ValueError("documents_per_step needs a DocumentSampler (documents=...)")
     was_training = model.training
     saved = [(g.gamma, g.auto_update) for g in gates]
-    model.train()
+    model.eval()  # no dropout: the biases settle on the activations inference sees, and no draw
     try:
         for g in gates:
+            g.train()  # only the gates count their loads
             g.auto_update = False
             g.pending_load.zero_()
         for t in range(steps):
