@@ -17,6 +17,7 @@ __all__ = [
     "BUNDLED",
     "KINDS",
     "check_model",
+    "index",
     "number",
     "read_result",
     "result_kind",
@@ -38,6 +39,11 @@ KINDS: dict[str, tuple[str, str, str, str]] = {
 def number(value: Any) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def index(value: Any) -> bool:
+    """A non-negative int (not a bool): a layer or expert position in a result file."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def signed(x: Any, digits: int = 4) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 
 from moee.analysis.specialization.ablate_results import (
     check_model,
+    index,
     number,
     read_result,
     signed,
@@ -37,7 +38,7 @@ def _problems(result: dict) -> str | None:
         if not isinstance(row, dict):
             return f"swaps[{i}] is not an object"
         layer = row.get("layer")
-        if layer != "all" and not (isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0):
+        if layer != "all" and not index(layer):
             return f"swaps[{i}] has no layer (an index or 'all')"
         bad = [] if number(row.get("delta")) else ["delta"]
         bad += [k for k in _OPTIONAL if row.get(k) is not None and not number(row[k])]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from moee.analysis.specialization.ablate_results import (
     check_model,
+    index,
     number,
     read_result,
     signed,
@@ -31,16 +31,12 @@ UNAVAILABLE = {"available": False, "reason": "no steering result given (--steeri
 _SPREADS = ("kl_next_token", "embedding_cosine_mean", "selection_shift")
 
 
-def _index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _problems(result: dict) -> str | None:
     biases = result.get("biases")
     if not isinstance(biases, list) or not biases:
         return "'biases' is not a non-empty list"
     for i, b in enumerate(biases):
-        if not isinstance(b, dict) or not (_index(b.get("layer")) and _index(b.get("expert"))):
+        if not isinstance(b, dict) or not (index(b.get("layer")) and index(b.get("expert"))):
             return f"biases[{i}] lacks a layer and expert index"
         if not number(b.get("bias")):
             return f"biases[{i}] has no number for bias"
