@@ -124,20 +124,34 @@ def git_revision() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-def _cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The first value of ``key`` in /proc/cpuinfo (``None`` where there is none, e.g. not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            if name.strip().lower() == key:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux), else what the platform module says."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags_digest() -> str:
+    """A short digest of the processor's feature flags: two processors of one model name and
+    kernel family can still round the last bit differently, so bit-exact comparisons key on it."""
+    flags = " ".join(sorted((_cpuinfo("flags") or "").split()))
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
 
 
 def machine_info() -> dict[str, Any]:
     """CPU model, core counts, threads torch uses, memory and GPU (if any): enough to compare runs."""
     info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "platform": platform.platform(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

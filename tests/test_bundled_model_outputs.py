@@ -33,24 +33,13 @@ def build() -> dict[str, str]:
     AVX-512 extensions) round differently in the last bit, so the processor's model and feature flags
     are recorded too.
     """
-    import hashlib
-    import platform
+    from moee.provenance import cpu_flags_digest, cpu_model
 
-    cpu_model, flags = platform.processor(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu_model in ("", platform.machine()):
-                cpu_model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = " ".join(sorted(value.split()))
-    except OSError:
-        pass
     return {
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
-        "cpu_model": cpu_model,
-        "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "cpu_model": cpu_model(),
+        "cpu_flags_sha256": cpu_flags_digest(),
     }
 
 

@@ -57,3 +57,18 @@ def test_a_result_names_its_model_without_the_machines_folder(tmp_path, monkeypa
     (tmp_path / "models" / "mine").mkdir(parents=True)
     assert model_label(tmp_path / "models" / "mine") == "models/mine"
     assert model_label("/somewhere/else/model-x") == "/somewhere/else/model-x"  # the user's own: as given
+
+
+def test_the_processor_is_named_and_its_feature_flags_digested(monkeypatch):
+    import moee.provenance as prov
+
+    info = {"model name": "Example CPU 9000", "flags": "sse2 avx512f fpu"}
+    monkeypatch.setattr(prov, "_cpuinfo", info.get)
+    assert prov.cpu_model() == "Example CPU 9000"
+    same_flags_other_order = {**info, "flags": "fpu sse2 avx512f"}
+    digest = prov.cpu_flags_digest()
+    assert len(digest) == 16 and int(digest, 16) >= 0
+    monkeypatch.setattr(prov, "_cpuinfo", same_flags_other_order.get)
+    assert prov.cpu_flags_digest() == digest  # the order of the flags does not matter
+    monkeypatch.setattr(prov, "_cpuinfo", {**info, "flags": "sse2 avx512f"}.get)
+    assert prov.cpu_flags_digest() != digest  # one flag fewer is another processor
