@@ -283,3 +283,7 @@ def test_recovered_is_only_a_share_of_a_null_above_its_noise() -> None:
     # two draws: the standard error is the population sd over sqrt(1)
     assert not _above_noise(_spread([0.0, 2.0]))  # mean 1, standard error 1: below 2
     assert _above_noise(_spread([1.5, 2.0]))  # mean 1.75, standard error 0.25
+    assert not _above_noise(_spread([1.0, 3.0]))  # mean 2 = exactly two standard errors: not above
+    assert _above_noise(_spread([1.0, 2.5]))  # mean 1.75, 2.33 standard errors (0.75)
+    # three draws: the standard error is the population sd over sqrt(2), not sqrt(4)
+    assert not _above_noise(_spread([0.0, 1.0, 2.0]))  # mean 1, standard error 0.577

@@ -529,7 +529,7 @@ def _above_noise(spread: dict[str, Any]) -> bool:
     whose scrambled router costs nothing measurable has no cost to recover)."""
     n = len(spread["draws"])
     standard_error = spread["std"] / math.sqrt(n - 1) if n > 1 else 0.0
-    return spread["mean"] > 0 and spread["mean"] > 2 * standard_error
+    return spread["mean"] > 2 * standard_error  # >= 0, so a positive mean is implied
 
 
 def router_swap(
