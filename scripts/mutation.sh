@@ -25,7 +25,9 @@ tests_for() {
     moee/embed/recipes.py) echo "tests/test_embed_recipes.py" ;;
     moee/embed/reference.py) echo "tests/test_embed_recipes.py tests/test_reliability_sidecars.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
-    moee/analysis/specialization/sections/coactivation.py | moee/analysis/specialization/sections/domains.py | \
+    moee/analysis/specialization/sections/coactivation.py)
+      echo "tests/test_analysis_coactivation.py tests/test_analysis_specialization_nulls.py" ;;
+    moee/analysis/specialization/sections/domains.py | \
       moee/analysis/specialization/sections/repetition.py | moee/analysis/specialization/sections/token_specialization.py)
       echo "tests/test_analysis_specialization_nulls.py" ;;
     moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;
