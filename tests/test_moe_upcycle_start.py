@@ -147,8 +147,65 @@ def test_balanced_routers_start_evenly_loaded_and_raw_centroids_warn():
     assert raw_worst > 2.0
     assert all(r["max_over_mean"] <= 2.0 and r["dead"] == 0 and not r["collapsed"] for r in report)
     assert report[0]["ceiling"] == 4.0 and abs(sum(report[0]["load"]) - 1.0) < 1e-3
-    # the report is the measured statistic: recomputing it gives the same figures
-    assert router_load_report(balanced, SAMPLE) == report
+    # the report is the measured statistic on the quarter the balancing did not see
+    assert router_load_report(balanced, SAMPLE[24:]) == report
+
+
+def _worst(model, ids):
+    return max(r["max_over_mean"] for r in router_load_report(model, ids))
+
+
+def test_settled_offsets_balance_the_sample_far_better_than_removing_the_mean_alone(monkeypatch):
+    """8 experts top-1 on a BERT with a strong shared input component: removing the mean alone
+    leaves the load uneven (max/mean 1.58 on the rows balanced on); the settled offsets bring every
+    layer's load on those rows close to even, and the sample's unseen quarter with it."""
+    import moee.moe.upcycle as up
+
+    fit, held = SAMPLE[:24], SAMPLE[24:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UpcycleWarning)
+        monkeypatch.setattr(up, "_SETTLE_ROUNDS", 0)
+        mean_only = upcycle(skewed_bert(), n_experts=8, top_k=1, calibration=SAMPLE)
+        monkeypatch.undo()
+        settled = upcycle(skewed_bert(), n_experts=8, top_k=1, calibration=SAMPLE)
+    assert _worst(settled, fit) <= 1.1 < 1.5 < _worst(mean_only, fit)
+    assert _worst(settled, held) < _worst(mean_only, held)
+
+
+@pytest.mark.parametrize(
+    "router_type, options", [("hierarchical", {"router_n_groups": 2, "router_k_primary": 1}), ("switch", {})]
+)
+def test_offsets_settle_through_each_gates_own_selection(router_type, options):
+    """Groups first (hierarchical) or one expert (switch): the offsets are settled on what the
+    gate itself selects, so its load is even too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UpcycleWarning)
+        raw = upcycle(
+            skewed_bert(),
+            n_experts=4,
+            top_k=1,
+            router_type=router_type,
+            router_options=options,
+            balance_router=False,
+            calibration=SAMPLE,
+        )
+        settled = upcycle(
+            skewed_bert(),
+            n_experts=4,
+            top_k=1,
+            router_type=router_type,
+            router_options=options,
+            calibration=SAMPLE,
+        )
+    assert _worst(settled, SAMPLE[:24]) <= 1.25 < _worst(raw, SAMPLE[:24])
+
+
+def test_the_sample_splits_into_three_quarters_to_balance_and_a_quarter_to_report():
+    from moee.moe.upcycle import _split_sample
+
+    assert _split_sample(32) == (slice(None, 24), slice(24, None))
+    assert _split_sample(5) == (slice(None, 4), slice(4, None))
+    assert _split_sample(3) == (slice(None), slice(None))
 
 
 def test_router_load_report_counts_selection_fractions_and_dead_experts():
@@ -207,14 +264,15 @@ def test_a_calibrate_corpus_is_checked_before_loading(tmp_path, capsys):
     assert "needs a string 'text' field" in capsys.readouterr().err
 
 
-def test_calibration_texts_are_short_english_sentences():
+def test_calibration_texts_are_documents_of_many_kinds_shipped_with_the_package():
+    from moee.embed.embedder import DEFAULT_MODEL_DIR
     from moee.moe.upcycle import calibration_texts
 
+    rows = [json.loads(line) for line in (DEFAULT_MODEL_DIR / "heldout.jsonl").read_text().splitlines()]
     texts = calibration_texts()
-    assert len(texts) == 256 and len(set(texts)) > 200
-    assert all(20 < len(t) < 200 and t == t.strip() and "  " not in t and "\n" not in t for t in texts)
+    assert texts == [r["text"] for r in rows[:256]] and len(set(texts)) == 256
+    assert len({r["source"] for r in rows[:256]}) >= 8
     assert calibration_texts(5) == texts[:5]
-    assert sum(t[-1] in ".!?" for t in texts) > 200
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "vocab.txt"])

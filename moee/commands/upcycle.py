@@ -66,15 +66,17 @@ def register(subparsers) -> None:
         "--calibrate",
         default=None,
         metavar="CORPUS.jsonl",
-        help="texts ({'text': ...} per line; the first 256 are read) the routers are balanced and "
-        "their start load measured on (default: the --trim-vocab corpus, else sentences of "
-        "Python's own documentation)",
+        help="texts ({'text': ...} per line; the first 256 are read) the routers are balanced on "
+        "(the first three quarters) and their start load measured on (the last quarter); text like "
+        "the model's training text balances best (default: the --trim-vocab corpus, else the "
+        "documents of nine kinds shipped with the bundled model)",
     )
     p.add_argument(
         "--no-router-balance",
         action="store_true",
         help="keep the raw router start (by default every router but loss_free has the shared "
-        "component of its layer's inputs removed, so the experts start evenly loaded)",
+        "component of its layer's inputs removed and per-expert offsets settled, so the experts "
+        "start evenly loaded)",
     )
     p.add_argument(
         "--dtype",
@@ -197,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
         )
     report = model.router_load_report
     print(
-        f"router start load per layer on the calibration sample (max/mean, ceiling "
+        f"router start load per layer on the last quarter of the calibration sample, which the "
+        f"balancing did not see (max/mean, ceiling "
         f"{report[0]['ceiling']:.2f} = experts / top-k; dead experts):"
     )
     for layer in report:

@@ -266,13 +266,14 @@ def upcycle(
     LayerNorm bias, position terms), and a router row's projection on it decides the top-k for
     almost every token (one expert with most of the load, dead experts). ``balance_router``
     (default: every gate but ``loss_free``, whose selection bias balances it in training, see
-    `moee.moe.trainer.calibrate_router_biases`) removes that component from every router row,
-    layer by layer, measured on ``calibration`` (token ids ``[n, L]``, ``calibration_mask`` its
-    attention mask; default `calibration_texts` through ``tokenizer``, else seeded random ids:
-    `_calibration_sample`). The per-layer load
-    on the same sample is kept as ``model.router_load_report`` (`router_load_report`), and a
-    collapsed layer (max/mean load above `COLLAPSE_MAX_OVER_MEAN`, or a dead expert) raises an
-    `UpcycleWarning`.
+    `moee.moe.trainer.calibrate_router_biases`) removes that component from every router row and
+    then settles a per-expert offset until the layer's own gate loads the experts evenly
+    (`balance_routers`), layer by layer, on the first three quarters of ``calibration`` (token
+    ids ``[n, L]``, ``calibration_mask`` its attention mask; default `calibration_texts` through
+    ``tokenizer``, else seeded random ids: `_calibration_sample`). The per-layer load on the last
+    quarter, which the balancing did not see, is kept as ``model.router_load_report``
+    (`router_load_report`), and a collapsed layer (max/mean load above
+    `COLLAPSE_MAX_OVER_MEAN`, or a dead expert) raises an `UpcycleWarning`.
     """
     gate_spec(router_type)  # an unknown name fails here, before the dense model loads
     known = [k for k in RouterFields.__dataclass_fields__ if k != "router_type"]
@@ -377,9 +378,10 @@ def upcycle(
         if tokenizer is None and calibration is None and isinstance(src, (str, Path)):
             tokenizer = _local_tokenizer(Path(src))
         sample, mask = _calibration_sample(model, calibration, calibration_mask, seed, tokenizer)
+        fit, held = _split_sample(len(sample))
         if balance_router if balance_router is not None else router_type != "loss_free":
-            balance_routers(model, [plan[3] for plan in plans], sample, mask)
-        report = router_load_report(model, sample, mask)
+            balance_routers(model, [plan[3] for plan in plans], sample[fit], mask[fit])
+        report = router_load_report(model, sample[held], mask[held])
     model.router_load_report = report
     collapsed = [
         f"layer {r['layer']} (max/mean {r['max_over_mean']:.2f}, {r['dead']} dead)"
@@ -389,7 +391,7 @@ def upcycle(
     if collapsed:
         warnings.warn(
             f"the upcycled routers start collapsed in {len(collapsed)} of {len(report)} layers on the "
-            f"calibration sample: {'; '.join(collapsed)} (ceiling {report[0]['ceiling']:.2f} = experts / "
+            f"calibration sample's unseen quarter: {'; '.join(collapsed)} (ceiling {report[0]['ceiling']:.2f} = experts / "
             "top-k); training reinforces a collapse: keep the router balancing on, or use a loss_free router",
             UpcycleWarning,
             stacklevel=2,
@@ -402,15 +404,21 @@ class _Captured(Exception):
 
 
 def calibration_texts(n: int = 256) -> list[str]:
-    """``n`` English sentences from Python's own documentation (``pydoc_data``, part of every
-    CPython): a text sample that needs no download and is no evaluation data, for balancing and
-    measuring routers when the caller gives none."""
-    import re
-    from pydoc_data.topics import topics
+    """The first ``n`` documents of the bundled default model's held-out sample (406 documents
+    from nine sources: fortunes, WordNet glosses, Shakespeare, Python's documentation, Austen, web
+    pages, the King James Bible, Wikipedia, the Jargon File; shipped with the package): text of
+    many kinds that needs no download and is no evaluation data, for balancing and measuring
+    routers when the caller gives none. Routers balanced on one kind of text (Python's
+    documentation alone) start far less even on others (docs/UPCYCLING.md, "Router start")."""
+    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.io import iter_jsonl
 
-    prose = " ".join(" ".join(topics[k] for k in sorted(topics)).split())
-    sentences = (s.strip() for s in re.split(r"(?<=[.!?])\s+", prose))
-    return [s for s in sentences if 20 < len(s) < 200][:n]
+    texts = []
+    for _, row in iter_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl"):
+        if len(texts) == n:
+            break
+        texts.append(row["text"])
+    return texts
 
 
 def _local_tokenizer(folder: Path) -> Any:
@@ -430,7 +438,8 @@ def _calibration_sample(
     seed: int,
     tokenizer: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The token ids ``[n, L]`` and attention mask the routers are balanced and measured on:
+    """The token ids ``[n, L]`` and attention mask the routers are balanced and measured on
+    (`_split_sample`):
     ``ids`` as given; else `calibration_texts` through ``tokenizer`` (32 tokens at most); else,
     without a tokenizer, 64 sequences of 32 vocabulary ids drawn with ``seed`` (a weaker sample:
     random ids miss much of the common component real text shares)."""
@@ -462,18 +471,48 @@ def _forward_base(model: MoEEUpcycledPreTrainedModel, ids: torch.Tensor, mask: t
         )
 
 
+def _split_sample(n: int) -> tuple[slice, slice]:
+    """The rows of an ``n``-row calibration sample the routers are balanced on (the first three
+    quarters) and the rows their start load is reported on (the last quarter, unseen by the
+    balancing); a sample of fewer than 4 rows is used whole for both."""
+    if n < 4:
+        return slice(None), slice(None)
+    cut = n - n // 4
+    return slice(None, cut), slice(cut, None)
+
+
+def _selections(out: tuple) -> torch.Tensor:
+    """The experts one router call selected, from its output ``(logits, weights, indices,
+    gate_out)``: ``indices`` with the slots the gate masks out (e.g. over capacity) set to -1."""
+    indices, gate_out = out[2], out[3]
+    slot = gate_out.mask if getattr(gate_out, "mask", None) is not None else torch.ones_like(indices)
+    return torch.where(slot.bool(), indices, -1)
+
+
+#: Rounds of the per-expert offset update of `balance_routers`, its step (in standard deviations
+#: of the centred router scores) and the floor of a load ratio in its logarithm (dead experts).
+_SETTLE_ROUNDS, _SETTLE_STEP, _SETTLE_FLOOR = 300, 0.05, 0.05
+
+
 @torch.no_grad()
 def balance_routers(
     model: MoEEUpcycledPreTrainedModel, weights: list[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
 ) -> None:
     """Start every router from ``weights[i]`` (``[E, d]``, a row per expert) minus the rows'
-    component along the mean FFN input of layer ``i`` on the sample ``ids``.
+    component along the mean FFN input ``m`` of layer ``i`` on the sample ``ids``, plus per-expert
+    offsets along ``m`` settled until the layer's own gate loads every expert evenly on the sample.
 
-    ``x . w_e = (x - m) . w_e + m . w_e``: the shared mean ``m`` adds a per-expert constant to
-    every token's score that is far larger than the token-specific part, so a raw centroid
-    router sends nearly every token to the same experts. With ``m . w_e = 0`` a token's top-k
-    depends on how it differs from the average token. Layers are balanced in order, each on the
-    inputs the already balanced layers below it produce.
+    ``x . w_e = (x - m) . w_e + m . w_e``: the shared mean adds a per-expert constant to every
+    token's score that is far larger than the token-specific part, so a raw centroid router sends
+    nearly every token to the same experts. With ``m . w_e = 0`` a token's top-k depends on how it
+    differs from the average token; but the rest of the inputs' spread is anisotropic too (a few
+    directions carry most of it), so some rows still win far more often (max/mean 2.5-4.2 of 8
+    with 32 experts). A row ``w_e + b_e m / |m|^2`` scores ``b_e`` more on the average token:
+    the offsets ``b`` are the selection bias of the loss-free balancer (``b_e -= step * spread *
+    log(load_e / mean load)``, the best of `_SETTLE_ROUNDS` rounds kept), folded into the rows so
+    that every gate, biased or not, keeps it; the selection is the gate's own (top-k, groups,
+    capacity), called on the captured inputs. Layers are balanced in order, each on the inputs the
+    already balanced layers below it produce.
     """
     flat_mask = mask.reshape(-1).bool()
     for ffn, weight in zip(model.moe_ffns(), weights, strict=True):
@@ -495,8 +534,36 @@ def balance_routers(
         m = x.mean(0)
         w = weight.double().cpu()
         w = w - torch.outer(w @ m, m) / m.dot(m).clamp_min(1e-30)
+        rows = _settle_offsets(ffn, x, w, m / m.dot(m).clamp_min(1e-30))
         gate_weight = next(ffn.router.gate.parameters())
-        load_router_weight(ffn.router_type, ffn.router.gate, w.to(gate_weight.dtype).to(gate_weight.device))
+        load_router_weight(
+            ffn.router_type, ffn.router.gate, rows.to(gate_weight.dtype).to(gate_weight.device)
+        )
+
+
+def _settle_offsets(ffn: Any, x: torch.Tensor, w: torch.Tensor, along: torch.Tensor) -> torch.Tensor:
+    """The rows ``w + b along`` (``b`` one offset per expert) whose selection by ``ffn``'s own gate
+    on the inputs ``x [N, d]`` is the most even of `_SETTLE_ROUNDS` rounds of ``b_e -= step *
+    spread * log(load_e / mean load)`` (``spread``: the standard deviation of the centred scores
+    ``(x - mean) . w``). Leaves the gate loaded with the last rounds' rows."""
+    gate_weight = next(ffn.router.gate.parameters())
+    inputs = x.to(gate_weight.dtype).to(gate_weight.device)
+    n_experts = ffn.router.num_experts
+    spread = float(((x - x.mean(0)) @ w.T).std()) if len(x) > 1 else 0.0
+    offset = torch.zeros(n_experts, dtype=torch.float64)
+    best, best_offset = math.inf, offset
+    for _ in range(_SETTLE_ROUNDS if spread > 0 else 0):
+        rows = w + torch.outer(offset, along)
+        load_router_weight(
+            ffn.router_type, ffn.router.gate, rows.to(gate_weight.dtype).to(gate_weight.device)
+        )
+        chosen = _selections(ffn.router(inputs)).reshape(-1)
+        counts = torch.bincount(chosen[chosen >= 0], minlength=n_experts).double().cpu()
+        ratio = counts / counts.mean().clamp_min(1e-12)
+        if float(ratio.max()) < best:
+            best, best_offset = float(ratio.max()), offset.clone()
+        offset = offset - _SETTLE_STEP * spread * torch.log(ratio.clamp_min(_SETTLE_FLOOR))
+    return w + torch.outer(best_offset, along)
 
 
 @torch.no_grad()
@@ -516,9 +583,7 @@ def router_load_report(
     for i, ffn in enumerate(ffns):
 
         def grab(_module, _args, out, i=i):
-            indices, gate_out = out[2], out[3]
-            slot = gate_out.mask if getattr(gate_out, "mask", None) is not None else torch.ones_like(indices)
-            picks[i].append(torch.where(slot.bool(), indices, -1).detach().cpu())
+            picks[i].append(_selections(out).detach().cpu())
 
         handles.append(ffn.router.register_forward_hook(grab))
     try:
