@@ -27,12 +27,13 @@ tests_for() {
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
     moee/analysis/specialization/sections/coactivation.py)
       echo "tests/test_analysis_coactivation.py tests/test_analysis_specialization_nulls.py" ;;
-    moee/analysis/specialization/sections/domains.py | \
-      moee/analysis/specialization/sections/repetition.py | moee/analysis/specialization/sections/token_specialization.py)
+    moee/analysis/specialization/sections/domains.py)
+      echo "tests/test_analysis_domains.py tests/test_analysis_specialization_nulls.py" ;;
+    moee/analysis/specialization/sections/repetition.py | moee/analysis/specialization/sections/token_specialization.py)
       echo "tests/test_analysis_specialization_nulls.py" ;;
     moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;
     moee/moe/vocab.py) echo "tests/test_moe_vocab.py" ;;
-    moee/moe/upcycle.py) echo "tests/test_moe_upcycle.py tests/test_moe_upcycle_start.py tests/test_moe_upcycle_output.py" ;;
+    moee/moe/upcycle.py) echo "tests/test_moe_upcycle_maths.py tests/test_moe_upcycle.py tests/test_moe_upcycle_start.py tests/test_moe_upcycle_output.py" ;;
     *) return 1 ;;
   esac
 }
