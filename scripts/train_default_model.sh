@@ -19,12 +19,11 @@
 # 4. `moee fit-reference --save-to-model`: the model's reference statistics (the first 1,000 texts of
 #    the shuffled training corpus, under the model's own configuration), part of its configuration.
 # Provenance of the committed model: its stage 2 started from a stage-1 export made by an earlier
-# revision of the export's bias calibration, and its own export settled the biases with dropout on
-# (the calibration then ran the whole model in train mode, drawing from an unseeded generator), so a
-# rerun of that export gave nearby, not equal, biases (worst max/mean 1.338 on held-out windows and
-# 1.385 on whole documents against the committed 1.315 / 1.305; every other weight bit-equal). The
-# calibration now runs without dropout and is deterministic; the card's figures are the committed
-# files' own (tests recompute them).
+# revision of the export's bias calibration (one that ran the whole model in train mode, dropout
+# drawing from an unseeded generator), so a rerun of stage 1 gives nearby, not equal, biases (up to
+# 0.003) and stage 2 would start elsewhere. Stage 2's export (step 3 here) is today's: the
+# calibration runs without dropout and is deterministic, and two runs of it wrote bit-identical
+# model files. The card's figures are the committed files' own (tests recompute them).
 # Needs build/corpus (scripts/build_corpus.py). Every stage is resumable: a finished stage is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
