@@ -494,7 +494,6 @@ def _selections(out: tuple) -> torch.Tensor:
 _SETTLE_ROUNDS, _SETTLE_STEP, _SETTLE_FLOOR = 300, 0.05, 0.05
 
 
-@torch.no_grad()
 def balance_routers(
     model: MoEEUpcycledPreTrainedModel, weights: list[torch.Tensor], ids: torch.Tensor, mask: torch.Tensor
 ) -> None:
@@ -514,31 +513,32 @@ def balance_routers(
     capacity), called on the captured inputs. Layers are balanced in order, each on the inputs the
     already balanced layers below it produce.
     """
-    flat_mask = mask.reshape(-1).bool()
-    for ffn, weight in zip(model.moe_ffns(), weights, strict=True):
-        seen: list[torch.Tensor] = []
+    with torch.no_grad():  # a context, not a decorator: mutmut does not mutate decorated functions
+        flat_mask = mask.reshape(-1).bool()
+        for ffn, weight in zip(model.moe_ffns(), weights, strict=True):
+            seen: list[torch.Tensor] = []
 
-        def grab(_module, args, seen=seen):
-            seen.append(args[0].reshape(-1, args[0].shape[-1]).detach().double().cpu())
-            if sum(len(x) for x in seen) >= flat_mask.numel():
-                raise _Captured
+            def grab(_module, args, seen=seen):
+                seen.append(args[0].reshape(-1, args[0].shape[-1]).detach().double().cpu())
+                if sum(len(x) for x in seen) >= flat_mask.numel():
+                    raise _Captured
 
-        handle = ffn.register_forward_pre_hook(grab)
-        try:
-            _forward_base(model, ids, mask)
-        except _Captured:
-            pass
-        finally:
-            handle.remove()
-        x = torch.cat(seen)[flat_mask]
-        m = x.mean(0)
-        w = weight.double().cpu()
-        w = w - torch.outer(w @ m, m) / m.dot(m).clamp_min(1e-30)
-        rows = _settle_offsets(ffn, x, w, m / m.dot(m).clamp_min(1e-30))
-        gate_weight = next(ffn.router.gate.parameters())
-        load_router_weight(
-            ffn.router_type, ffn.router.gate, rows.to(gate_weight.dtype).to(gate_weight.device)
-        )
+            handle = ffn.register_forward_pre_hook(grab)
+            try:
+                _forward_base(model, ids, mask)
+            except _Captured:
+                pass
+            finally:
+                handle.remove()
+            x = torch.cat(seen)[flat_mask]
+            m = x.mean(0)
+            w = weight.double().cpu()
+            w = w - torch.outer(w @ m, m) / m.dot(m).clamp_min(1e-30)
+            rows = _settle_offsets(ffn, x, w, m / m.dot(m).clamp_min(1e-30))
+            gate_weight = next(ffn.router.gate.parameters())
+            load_router_weight(
+                ffn.router_type, ffn.router.gate, rows.to(gate_weight.dtype).to(gate_weight.device)
+            )
 
 
 def _settle_offsets(ffn: Any, x: torch.Tensor, w: torch.Tensor, along: torch.Tensor) -> torch.Tensor:
@@ -566,7 +566,6 @@ def _settle_offsets(ffn: Any, x: torch.Tensor, w: torch.Tensor, along: torch.Ten
     return w + torch.outer(best_offset, along)
 
 
-@torch.no_grad()
 def router_load_report(
     model: MoEEUpcycledPreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None = None
 ) -> list[dict[str, Any]]:
@@ -575,41 +574,42 @@ def router_load_report(
     ``max_over_mean`` the heaviest expert's load over the mean (1 is even; ``ceiling`` =
     experts / top-k is every token on the same experts), ``dead`` the experts never selected,
     ``collapsed`` whether max/mean exceeds `COLLAPSE_MAX_OVER_MEAN` or an expert is dead."""
-    mask = torch.ones_like(ids) if mask is None else mask
-    flat_mask = mask.reshape(-1).bool()
-    ffns = model.moe_ffns()
-    picks: list[list[torch.Tensor]] = [[] for _ in ffns]
-    handles = []
-    for i, ffn in enumerate(ffns):
+    with torch.no_grad():
+        mask = torch.ones_like(ids) if mask is None else mask
+        flat_mask = mask.reshape(-1).bool()
+        ffns = model.moe_ffns()
+        picks: list[list[torch.Tensor]] = [[] for _ in ffns]
+        handles = []
+        for i, ffn in enumerate(ffns):
 
-        def grab(_module, _args, out, i=i):
-            picks[i].append(_selections(out).detach().cpu())
+            def grab(_module, _args, out, i=i):
+                picks[i].append(_selections(out).detach().cpu())
 
-        handles.append(ffn.router.register_forward_hook(grab))
-    try:
-        _forward_base(model, ids, mask)
-    finally:
-        for handle in handles:
-            handle.remove()
-    report = []
-    for i, (ffn, rows) in enumerate(zip(ffns, picks)):
-        n_experts, k = ffn.router.num_experts, ffn.router.top_k
-        chosen = torch.cat(rows)[flat_mask].reshape(-1)
-        counts = torch.bincount(chosen[chosen >= 0], minlength=n_experts).double()
-        share = counts / counts.sum().clamp_min(1)
-        max_over_mean = float(share.max() * n_experts) if counts.sum() > 0 else 0.0
-        dead = int((counts == 0).sum())
-        report.append(
-            {
-                "layer": i,
-                "load": [round(float(v), 4) for v in share],
-                "max_over_mean": max_over_mean,
-                "ceiling": n_experts / k,
-                "dead": dead,
-                "collapsed": max_over_mean > COLLAPSE_MAX_OVER_MEAN or dead > 0,
-            }
-        )
-    return report
+            handles.append(ffn.router.register_forward_hook(grab))
+        try:
+            _forward_base(model, ids, mask)
+        finally:
+            for handle in handles:
+                handle.remove()
+        report = []
+        for i, (ffn, rows) in enumerate(zip(ffns, picks)):
+            n_experts, k = ffn.router.num_experts, ffn.router.top_k
+            chosen = torch.cat(rows)[flat_mask].reshape(-1)
+            counts = torch.bincount(chosen[chosen >= 0], minlength=n_experts).double()
+            share = counts / counts.sum().clamp_min(1)
+            max_over_mean = float(share.max() * n_experts) if counts.sum() > 0 else 0.0
+            dead = int((counts == 0).sum())
+            report.append(
+                {
+                    "layer": i,
+                    "load": [round(float(v), 4) for v in share],
+                    "max_over_mean": max_over_mean,
+                    "ceiling": n_experts / k,
+                    "dead": dead,
+                    "collapsed": max_over_mean > COLLAPSE_MAX_OVER_MEAN or dead > 0,
+                }
+            )
+        return report
 
 
 def save_upcycled(
