@@ -23,7 +23,7 @@ tests_for() {
     moee/embed/methods.py) echo "tests/test_embed_methods.py" ;;
     moee/capture/recorder.py) echo "tests/test_capture_recorder.py" ;;
     moee/embed/recipes.py) echo "tests/test_embed_recipes.py" ;;
-    moee/embed/reference.py) echo "tests/test_embed_recipes.py tests/test_reliability_sidecars.py" ;;
+    moee/embed/reference.py) echo "tests/test_embed_reference_unit.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;
     moee/analysis/specialization/sections/coactivation.py)
       echo "tests/test_analysis_coactivation.py tests/test_analysis_specialization_nulls.py" ;;
