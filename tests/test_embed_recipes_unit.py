@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +75,6 @@ def test_recipe_spec_and_hooks():
     assert isinstance(rc.recipe_hooks("echo", object()), nullcontext)
     with pytest.raises(ValueError, match="unknown recipe"):
         rc.recipe_hooks("x", object())
-    import torch
 
     class Decoder(torch.nn.Module):
         def __init__(self):
@@ -261,3 +262,117 @@ def test_an_ensemble_is_the_mean_of_the_prompts_vectors_normalised_again():
             warnings.simplefilter("error")  # numpy warns of a division `where` without `out`
             out = rc.combine_ensemble([a, b], True)
         np.testing.assert_allclose(out, [[2**-0.5, 2**-0.5], [0.0, 1.0], [0.0, 0.0]], rtol=1e-6)
+
+
+# ----------------------------------------------------------------- echo
+def _emb(max_length=64):
+    return SimpleNamespace(
+        tokenizer=_fast(), max_length=max_length, truncation_side="right", empty_ids=[1, 2]
+    )
+
+
+def test_echo_pools_from_the_first_token_of_the_second_copy():
+    """[CLS] Rewrite the sentence : hello world , rewritten sentence : hello world [SEP]: the
+    second copy starts at index 11; with a prompt, the prompt's first token there starts it."""
+    out, cut = rc._tokenize_echo(_emb(), ["hello world", "a"], None)
+    assert cut == [0, 0]
+    assert out[0].ids == [1, 0, 0, 0, 0, 3, 4, 0, 0, 0, 0, 3, 4, 2] and out[0].pool_from == 11
+    assert out[1].ids == [1, 0, 0, 0, 0, 5, 0, 0, 0, 0, 5, 2] and out[1].pool_from == 10
+    prompted, _ = rc._tokenize_echo(_emb(), ["hello world"], "a {text}")
+    assert prompted[0].ids == [1, 0, 0, 0, 0, 3, 4, 0, 0, 0, 0, 5, 3, 4, 0, 2] and prompted[0].pool_from == 11
+    assert rc._tokenize_echo(_emb(), [], None) == ([], [])
+
+
+def test_echo_cuts_the_text_once_and_an_empty_text_pools_its_last_token():
+    out, cut = rc._tokenize_echo(_emb(12), ["hello world hello world hello world hello"], None)
+    assert cut == [6] and out[0].ids == [1, 0, 0, 0, 0, 3, 0, 0, 0, 0, 3, 2] and out[0].pool_from == 10
+    empty, _ = rc._tokenize_echo(_emb(), [""], None)
+    assert empty[0].pool_from == len(empty[0].ids) - 1
+
+
+def test_echo_cuts_on_the_embedders_side_and_needs_a_fast_tokenizer():
+    emb = _emb(12)
+    emb.truncation_side = "left"
+    out, cut = rc._tokenize_echo(emb, ["a world hello world hello world hello"], None)
+    assert cut == [6] and out[0].ids[5] == 3  # left: the text's last word "hello" is kept
+    right, _ = rc._tokenize_echo(_emb(12), ["a world hello world hello world hello"], None)
+    assert right[0].ids[5] == 5  # right: its first word "a" is kept
+    slow = _emb()
+    slow.tokenizer.__class__ = type("SlowLike", (PreTrainedTokenizerFast,), {"is_fast": False})
+    with pytest.raises(ValueError, match="^recipe 'echo' needs a fast tokenizer"):
+        rc._tokenize_echo(slow, ["hello"], None)
+
+
+def test_echo_refuses_a_tokenizer_that_tokenizes_the_same_text_two_ways(monkeypatch):
+    real = rc._offsets
+    monkeypatch.setattr(rc, "_offsets", lambda *a: [([9, *ids], spans) for ids, spans in real(*a)])
+    with pytest.raises(RuntimeError, match="^the tokenizer gave different ids for the same echo text$"):
+        rc._tokenize_echo(_emb(), ["hello"], None)
+
+
+# ----------------------------------------------------------------- token prepending hooks
+class _Layer(torch.nn.Module):
+    def forward(self, hidden_states, *rest, **kw):
+        self.rest = rest  # what reached the layer besides the states
+        return hidden_states
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(n))
+
+
+def test_token_prepending_chooses_and_checks_its_layers():
+    model = _Decoder(8)
+    assert rc.TokenPrepending(model).layers == [1, 2]
+    assert rc.TokenPrepending(model, layers=[3])._modules == [model.layers[3]]
+    assert rc.TokenPrepending(model, layers=())._modules == []
+    for bad in ([0], [8], [1, 2.0]):
+        with pytest.raises(ValueError, match=r"^token_prepending layers must be in 1\.\.7, got \["):
+            rc.TokenPrepending(model, layers=bad)
+    with pytest.raises(ValueError, match="^token_prepending cannot find the decoder layers of Linear$"):
+        rc.TokenPrepending(torch.nn.Linear(2, 2))
+
+
+def test_token_prepending_replaces_the_placeholder_state_positionally_or_by_keyword_and_removes_its_hooks():
+    model = _Decoder(4)
+    hidden = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    tp = rc.TokenPrepending(model, layers=[1])
+    with tp:
+        assert len(model.layers[1]._forward_pre_hooks) == 1
+        with pytest.raises(
+            RuntimeError, match=r"^call TokenPrepending\.set_batch\(\) before the forward pass$"
+        ):
+            model.layers[1](hidden)
+        tp.set_batch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 2]))
+        assert tp._rows[0].dtype == torch.long
+        out = model.layers[1](hidden)
+        assert out[0, 0].tolist() == hidden[0, 2].tolist() and out[1, 1].tolist() == hidden[1, 2].tolist()
+        assert out[0, 1].tolist() == hidden[0, 1].tolist() and hidden[0, 0].tolist() == [0.0, 1.0]  # a copy
+        model.layers[1](hidden, "mask", "cache")
+        assert model.layers[1].rest == ("mask", "cache")  # the other positional inputs pass through
+        by_name = model.layers[1](hidden_states=hidden)
+        torch.testing.assert_close(by_name, out)
+        assert model.layers[0](hidden) is hidden  # other layers untouched
+        with pytest.raises(
+            RuntimeError, match=r"^_Layer: expected \[batch, seq, \.\.\., hidden\] input states$"
+        ):
+            model.layers[1](hidden[0])
+        with pytest.raises(RuntimeError, match="expected"):
+            model.layers[1](hidden_states=None)
+    assert len(model.layers[1]._forward_pre_hooks) == 0
+
+
+def test_token_prepending_that_fails_to_install_removes_what_it_installed():
+    model = _Decoder(4)
+    tp = rc.TokenPrepending(model, layers=[1, 2])
+
+    def refuse(*a, **k):
+        raise OSError("no")
+
+    model.layers[2].register_forward_pre_hook = refuse
+    with pytest.raises(OSError):
+        with tp:
+            pass
+    assert len(model.layers[1]._forward_pre_hooks) == 0 and tp._handles == []
