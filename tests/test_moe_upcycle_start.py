@@ -227,6 +227,7 @@ def test_cli_prints_the_per_layer_start_load_with_the_ceiling(tmp_path, capsys):
         assert main(cli(src, tmp_path / "raw", "--no-router-balance")) == 0
     raw = capsys.readouterr().out
     assert "ceiling 2.00 = experts / top-k" in raw and "COLLAPSED" in raw
+    assert "calibration sample: seeded random token ids (the model has no tokenizer)" in raw
     assert main(cli(src, tmp_path / "moe")) == 0
     out = capsys.readouterr().out
     assert "layer 0: max/mean" in out and "layer 1: max/mean" in out

@@ -198,6 +198,16 @@ def run(args: argparse.Namespace) -> int:
             f"note: {args.src} has no tokenizer, so {out} has none either: save the tokenizer there yourself"
         )
     report = model.router_load_report
+    source = args.calibrate or args.trim_vocab
+    if source:
+        sample = f"the first 256 texts of {source}"
+    elif tokenizer is not None:
+        sample = (
+            "256 documents of nine kinds shipped with moee (--calibrate CORPUS.jsonl balances on your text)"
+        )
+    else:
+        sample = "seeded random token ids (the model has no tokenizer)"
+    print(f"calibration sample: {sample}")
     print(
         f"router start load per layer on the last quarter of the calibration sample, which the "
         f"balancing did not see (max/mean, ceiling "
