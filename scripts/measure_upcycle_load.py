@@ -25,7 +25,7 @@ def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
     from moee.data.offline_tasks import task_texts
-    from moee.moe.upcycle import UpcycleWarning, router_load_report, upcycle
+    from moee.moe.upcycle import UpcycleWarning, calibration_texts, router_load_report, upcycle
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", default=None, help="dense model folder (default all-MiniLM-L6-v2)")
@@ -48,20 +48,17 @@ def main() -> None:
     names = ("lee_sts", "fortunes_classification", "bible_pair_classification")
     texts = [t for name in names for t in task_texts(name)][:300]
     if args.measure:
-        from itertools import islice
-
-        from moee.io import iter_jsonl
-
-        texts = [row["text"] for _, row in islice(iter_jsonl(args.measure), 300)]
+        texts = calibration_texts(300, corpus=args.measure)
     enc = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
     calibration = mask = None
     if args.calibrate:
-        from itertools import islice
-
-        from moee.io import iter_jsonl
-
-        cal = [row["text"] for _, row in islice(iter_jsonl(args.calibrate), 256)]
-        cal = tokenizer(cal, padding=True, truncation=True, max_length=32, return_tensors="pt")
+        cal = tokenizer(
+            calibration_texts(corpus=args.calibrate),
+            padding=True,
+            truncation=True,
+            max_length=32,
+            return_tensors="pt",
+        )
         calibration, mask = cal["input_ids"], cal["attention_mask"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UpcycleWarning)  # the report below says it

@@ -180,22 +180,17 @@ def test_offsets_settle_through_each_gates_own_selection(router_type, options):
     gate itself selects, so its load is even too."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UpcycleWarning)
-        raw = upcycle(
-            skewed_bert(),
-            n_experts=4,
-            top_k=1,
-            router_type=router_type,
-            router_options=options,
-            balance_router=False,
-            calibration=SAMPLE,
-        )
-        settled = upcycle(
-            skewed_bert(),
-            n_experts=4,
-            top_k=1,
-            router_type=router_type,
-            router_options=options,
-            calibration=SAMPLE,
+        raw, settled = (
+            upcycle(
+                skewed_bert(),
+                n_experts=4,
+                top_k=1,
+                router_type=router_type,
+                router_options=options,
+                balance_router=balance,
+                calibration=SAMPLE,
+            )
+            for balance in (False, None)
         )
     assert _worst(settled, SAMPLE[:24]) <= 1.25 < _worst(raw, SAMPLE[:24])
 

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     """Check every input, build the model, then write the folder (staged, committed by rename)."""
     import torch
 
-    from moee.moe.upcycle import save_upcycled, upcycle
+    from moee.moe.upcycle import calibration_texts, save_upcycled, upcycle
 
     order = check_inputs(args)
     tokenizer_from = _tokenizer_source(args.src)
@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_trimmable(tokenizer)
     calibration = mask = None
-    texts = _calibration_texts(args.calibrate or args.trim_vocab)
+    source = args.calibrate or args.trim_vocab
+    texts = calibration_texts(corpus=source) if source else None
     if texts:
         enc = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
         calibration, mask = enc["input_ids"], enc["attention_mask"]
@@ -198,9 +199,8 @@ def run(args: argparse.Namespace) -> int:
             f"note: {args.src} has no tokenizer, so {out} has none either: save the tokenizer there yourself"
         )
     report = model.router_load_report
-    source = args.calibrate or args.trim_vocab
     if source:
-        sample = f"the first 256 texts of {source}"
+        sample = f"the first {len(texts)} texts of {source}"
     elif tokenizer is not None:
         sample = (
             "256 documents of nine kinds shipped with moee (--calibrate CORPUS.jsonl balances on your text)"
@@ -217,17 +217,6 @@ def run(args: argparse.Namespace) -> int:
         flag = "  COLLAPSED" if layer["collapsed"] else ""
         print(f"  layer {layer['layer']}: max/mean {layer['max_over_mean']:.2f}, {layer['dead']} dead{flag}")
     return 0
-
-
-def _calibration_texts(corpus: str | None, n: int = 256) -> list[str] | None:
-    """The first ``n`` texts of ``corpus`` (checked by `check_inputs`), or None."""
-    if corpus is None:
-        return None
-    from itertools import islice
-
-    from moee.io import iter_jsonl
-
-    return [row["text"] for _, row in islice(iter_jsonl(corpus), n)]
 
 
 def check_inputs(args: argparse.Namespace) -> list[int] | None:

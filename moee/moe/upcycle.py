@@ -403,22 +403,23 @@ class _Captured(Exception):
     """Ends a calibration forward pass once the layer of interest has been seen."""
 
 
-def calibration_texts(n: int = 256) -> list[str]:
-    """The first ``n`` documents of the bundled default model's held-out sample (406 documents
-    from nine sources: fortunes, WordNet glosses, Shakespeare, Python's documentation, Austen, web
-    pages, the King James Bible, Wikipedia, the Jargon File; shipped with the package): text of
-    many kinds that needs no download and is no evaluation data, for balancing and measuring
-    routers when the caller gives none. Routers balanced on one kind of text (Python's
-    documentation alone) start far less even on others (docs/UPCYCLING.md, "Router start")."""
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+def calibration_texts(n: int = 256, corpus: str | Path | None = None) -> list[str]:
+    """The first ``n`` texts of ``corpus`` (JSONL, ``{"text": ...}`` per line), by default of the
+    bundled default model's held-out sample (406 documents from nine sources: fortunes, WordNet
+    glosses, Shakespeare, Python's documentation, Austen, web pages, the King James Bible,
+    Wikipedia, the Jargon File; shipped with the package): text of many kinds that needs no
+    download and is no evaluation data, for balancing and measuring routers when the caller gives
+    none. Routers balanced on one kind of text (Python's documentation alone) start far less even
+    on others (docs/UPCYCLING.md, "Router start")."""
+    from itertools import islice
+
     from moee.io import iter_jsonl
 
-    texts = []
-    for _, row in iter_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl"):
-        if len(texts) == n:
-            break
-        texts.append(row["text"])
-    return texts
+    if corpus is None:
+        from moee.embed.embedder import DEFAULT_MODEL_DIR
+
+        corpus = DEFAULT_MODEL_DIR / "heldout.jsonl"
+    return [row["text"] for _, row in islice(iter_jsonl(corpus), n)]
 
 
 def _local_tokenizer(folder: Path) -> Any:
