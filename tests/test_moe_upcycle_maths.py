@@ -246,6 +246,16 @@ def test_the_sample_of_four_rows_is_split_and_of_three_used_whole():
     assert up._split_sample(3) == (slice(None), slice(None))
 
 
+def _moe(top_k=1, dense=None, **kw):
+    """A 4-expert upcycle of ``dense`` (default the skewed BERT) calibrated on the sample, its
+    start warnings silenced (several tests start raw routers on purpose)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", up.UpcycleWarning)
+        return up.upcycle(
+            skewed_bert() if dense is None else dense, n_experts=4, top_k=top_k, calibration=SAMPLE, **kw
+        )
+
+
 def _inputs(model, ids):
     """Each MoE layer's FFN inputs on ``ids`` (every token: the sample has no padding)."""
     seen = []
@@ -273,13 +283,10 @@ def test_balanced_rows_are_the_mean_removed_rows_plus_offsets_along_the_mean_inp
     balanced rows of the sample; with them each row differs from that only along the mean input,
     by a per-expert amount."""
     fit = SAMPLE[:24]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        monkeypatch.setattr(up, "_SETTLE_ROUNDS", 0)
-        mean_only = up.upcycle(skewed_bert(), n_experts=4, top_k=1, calibration=SAMPLE)
-        monkeypatch.undo()
-        settled = up.upcycle(skewed_bert(), n_experts=4, top_k=1, calibration=SAMPLE)
-        raw = up.upcycle(skewed_bert(), n_experts=4, top_k=1, calibration=SAMPLE, balance_router=False)
+    monkeypatch.setattr(up, "_SETTLE_ROUNDS", 0)
+    mean_only = _moe()
+    monkeypatch.undo()
+    settled, raw = _moe(), _moe(balance_router=False)
     for layer, (x, w0, w, r) in enumerate(
         zip(_inputs(mean_only, fit), _rows(mean_only), _rows(settled), _rows(raw))
     ):
@@ -294,21 +301,16 @@ def test_balanced_rows_are_the_mean_removed_rows_plus_offsets_along_the_mean_inp
     assert settled.router_load_report == up.router_load_report(settled, SAMPLE[24:])
 
 
-def test_settled_offsets_keep_the_most_even_round():
+def test_settled_offsets_keep_the_most_even_round(monkeypatch):
     """One round: the even-est of one is the start, so the rows stay the mean-removed ones."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        model = up.upcycle(skewed_bert(), n_experts=4, top_k=1, calibration=SAMPLE, balance_router=False)
+    model = _moe(balance_router=False)
     ffn = model.moe_ffns()[0]
     x = _inputs(model, SAMPLE)[0]
     w = torch.randn(4, x.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     along = x.mean(0) / x.mean(0).dot(x.mean(0))
-    rounds = up._SETTLE_ROUNDS
-    try:
-        up._SETTLE_ROUNDS = 1
-        assert torch.equal(up._settle_offsets(ffn, x, w, along), w)
-    finally:
-        up._SETTLE_ROUNDS = rounds
+    monkeypatch.setattr(up, "_SETTLE_ROUNDS", 1)
+    assert torch.equal(up._settle_offsets(ffn, x, w, along), w)
+    monkeypatch.undo()
     assert torch.equal(up._settle_offsets(ffn, x[:1], w, along), w)  # one token: no spread to scale by
     assert not torch.equal(up._settle_offsets(ffn, x, w, along), w)
 
@@ -316,9 +318,7 @@ def test_settled_offsets_keep_the_most_even_round():
 def _layer0():
     """Layer 0 of a raw 4-expert top-1 upcycle: its gate, its FFN inputs on the sample, its rows
     with the mean input's component removed, and the direction the offsets move along."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        model = up.upcycle(skewed_bert(), n_experts=4, top_k=1, calibration=SAMPLE, balance_router=False)
+    model = _moe(balance_router=False)
     ffn = model.moe_ffns()[0]
     x = _inputs(model, SAMPLE)[0]
     m = x.mean(0)
@@ -383,9 +383,7 @@ def test_settling_revives_a_dead_last_expert():
 def test_load_report_against_a_count_of_each_layers_selections_without_padding():
     """A 4-expert top-2 model on the sample with its last three columns masked as padding: every
     field from the router's own selections on the unmasked tokens, counted here directly."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        model = up.upcycle(skewed_bert(), n_experts=4, top_k=2, calibration=SAMPLE, balance_router=False)
+    model = _moe(top_k=2, balance_router=False)
     mask = torch.ones_like(SAMPLE)
     mask[:, 9:] = 0
     seen = []
@@ -413,9 +411,7 @@ def test_load_report_against_a_count_of_each_layers_selections_without_padding()
 
 def test_load_report_of_a_sample_with_no_counted_token():
     """Every token masked: max/mean 0, every expert dead, collapsed."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        model = up.upcycle(skewed_bert(), n_experts=4, top_k=2, calibration=SAMPLE, balance_router=False)
+    model = _moe(top_k=2, balance_router=False)
     report = up.router_load_report(model, SAMPLE[:2], torch.zeros_like(SAMPLE[:2]))
     assert all(r["max_over_mean"] == 0.0 and r["dead"] == 4 and r["collapsed"] for r in report)
     assert all(r["load"] == [0.0] * 4 for r in report)
@@ -424,9 +420,7 @@ def test_load_report_of_a_sample_with_no_counted_token():
 def _crafted_report(monkeypatch, winners, top_k=1):
     """The load report of a 4-expert model whose every router scores expert e by input feature e,
     fed inputs whose largest feature is ``winners[t]`` for token t (the selections are chosen here)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        model = up.upcycle(skewed_bert(), n_experts=4, top_k=top_k, calibration=SAMPLE, balance_router=False)
+    model = _moe(top_k=top_k, balance_router=False)
     d = model.moe_ffns()[0].router.gate.w_gate.weight.shape[1]
     x = torch.zeros(len(winners), d)
     for t, e in enumerate(winners):
@@ -454,15 +448,13 @@ def test_load_report_of_a_single_selection(monkeypatch):
 
 
 def test_balance_routers_refuses_router_rows_for_another_number_of_layers():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        model = up.upcycle(skewed_bert(), n_experts=4, top_k=1, calibration=SAMPLE, balance_router=False)
+    model = _moe(balance_router=False)
     rows = _rows(model)
     with pytest.raises(ValueError, match="zip"):
         up.balance_routers(model, rows[:-1], SAMPLE, torch.ones_like(SAMPLE))
 
 
-def test_mean_removal_of_inputs_whose_mean_is_short():
+def test_mean_removal_of_inputs_whose_mean_is_short(monkeypatch):
     """A BERT with its LayerNorms scaled down, so that every layer's mean FFN input has squared norm
     below 1: the projection divides by |m|^2 itself (a floor of 1 would leave part of the component)."""
     from test_moe_upcycle import dense_model
@@ -475,21 +467,14 @@ def test_mean_removal_of_inputs_whose_mean_is_short():
                     p.mul_(0.05)
         return model
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        up_rounds = up._SETTLE_ROUNDS
-        try:
-            up._SETTLE_ROUNDS = 0
-            model = up.upcycle(dense(), n_experts=4, top_k=1, calibration=SAMPLE)
-        finally:
-            up._SETTLE_ROUNDS = up_rounds
+    monkeypatch.setattr(up, "_SETTLE_ROUNDS", 0)
+    model = _moe(dense=dense())
+    monkeypatch.undo()
     for x, w in zip(_inputs(model, SAMPLE[:24]), _rows(model)):
         m = x.mean(0)
         assert m.dot(m) < 1
         assert (w @ m).abs().max() < 1e-4 * w.norm() * m.norm()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        settled = up.upcycle(dense(), n_experts=4, top_k=1, calibration=SAMPLE)
+    settled = _moe(dense=dense())
     # five rounds by hand on layer 0 (whose inputs no balancing changes): the offsets move along
     # m / |m|^2, one unit of score per unit of offset on the average token
     ffn, x = model.moe_ffns()[0], _inputs(model, SAMPLE[:24])[0]
@@ -503,12 +488,7 @@ def test_mean_removal_of_inputs_whose_mean_is_short():
             best, after = float(ratio.max()), rows
         offset = offset - 0.05 * spread * torch.log(ratio.clamp_min(0.05))
     assert not torch.equal(after, w)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", up.UpcycleWarning)
-        try:
-            up._SETTLE_ROUNDS = 5
-            one = up.upcycle(dense(), n_experts=4, top_k=1, calibration=SAMPLE)
-        finally:
-            up._SETTLE_ROUNDS = up_rounds
+    monkeypatch.setattr(up, "_SETTLE_ROUNDS", 5)
+    one = _moe(dense=dense())
     torch.testing.assert_close(_rows(one)[0], after, rtol=1e-5, atol=1e-6)
     assert max(r["max_over_mean"] for r in up.router_load_report(settled, SAMPLE[:24])) <= 1.1
