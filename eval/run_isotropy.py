@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from moee.analysis.isotropy import pairwise_cosine_stats
     from moee.embed.embedder import MoEEmbedder
     from moee.evaluation.adapter import baseline_revision, load_baseline_encoder
-    from moee.provenance import run_record
+    from moee.provenance import model_label, run_record
 
     (train_t, train_y), (test_t, test_y) = split("train"), split("test")
     texts = sample(test_t, args.n, args.seed)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     label,
                     method,
                     lambda t, c=resolved: emb.encode(t, config=c),
-                    resolved.to_dict(),
+                    resolved.to_record(),
                 )
             )
     base = load_baseline_encoder("cpu").model
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 "test": len(test_t),
                 "majority_class_accuracy": majority,
             },
-            "model": {"name": str(emb.name_or_path), "weights_digest": emb.weights_digest},
+            "model": {"name": model_label(emb.name_or_path), "weights_digest": emb.weights_digest},
             "baseline_revision": baseline_revision(),
             "rows": rows,
         },

@@ -19,6 +19,7 @@ from pathlib import Path
 from moee.benchmarking import length_mix_texts, paired_ratio, summarize, time_interleaved, write_result
 from moee.embed.config import EmbeddingConfig
 from moee.embed.recipes import RECIPE_NAMES
+from moee.provenance import model_label
 
 #: The variants timed: name -> configuration (``{reference}`` is filled with a fitted reference).
 VARIANTS: dict[str, dict] = {
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             "time_ratio_vs_plain": paired_ratio(times[name], times["plain"]),
         }
     result = {
-        "model": str(emb.name_or_path),
+        "model": model_label(emb.name_or_path),
         "shape": {"decoder_layers": n_layers, "moe_layers": emb.n_moe_layers, "experts": emb.n_experts},
         "texts": len(texts),
         "batch_size": args.batch_size,

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from moee.benchmarking import paired_ratio, write_result
+from moee.provenance import model_label
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -195,7 +196,7 @@ def measure(args: argparse.Namespace, n_tokens: int, plain: bool = True) -> dict
         "tokens": n,
         "texts": len(texts),
         "model": {
-            "name": str(embedder.name_or_path),
+            "name": model_label(embedder.name_or_path),
             "n_moe_layers": embedder.n_moe_layers,
             "n_experts": embedder.n_experts,
             "top_k": rep["summary"]["top_k"],

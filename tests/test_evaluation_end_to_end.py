@@ -253,10 +253,16 @@ def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
         calls.append(len(texts))
         return original(texts, **kwargs)
 
+    timings = json.loads(summary["timings"].read_text())
+    assert set(timings) == {
+        f"{m}/none/{t}" for m in ("hs", "moee_sum") for t in ("lee_sts", "fortunes_clustering")
+    }
     embedder.trace = counting_trace
     try:
         run_evaluation(settings, embedder=embedder, log=lambda m: None)
         assert calls == []
+        # the cached cells keep the seconds measured when they ran
+        assert json.loads(summary["timings"].read_text()) == timings
         settings.config = {"alpha": 1.0}  # a new MoEE(sum) configuration: only it is computed
         summary = run_evaluation(settings, embedder=embedder, log=lambda m: None)
         assert sum(calls) == 50 + 320  # each distinct text once

@@ -59,6 +59,33 @@ def test_a_result_names_its_model_without_the_machines_folder(tmp_path, monkeypa
     assert model_label("/somewhere/else/model-x") == "/somewhere/else/model-x"  # the user's own: as given
 
 
+def test_a_result_records_the_reference_without_the_machines_folder(tmp_path, monkeypatch):
+    from moee.embed.config import EmbeddingConfig
+    from moee.embed.embedder import DEFAULT_MODEL_DIR
+
+    shipped = EmbeddingConfig(reference=str(DEFAULT_MODEL_DIR / "reference.safetensors"))
+    assert shipped.to_record()["reference"] == "moee/assets/default-model/reference.safetensors"
+    assert shipped.to_dict()["reference"] == shipped.reference  # a sidecar keeps the path it opens
+    assert {**shipped.to_record(), "reference": shipped.reference} == shipped.to_dict()
+    monkeypatch.chdir(tmp_path)
+    mine = EmbeddingConfig(method="rw", reference=str(tmp_path / "refs" / "r.safetensors"))
+    assert mine.to_record()["reference"] == "refs/r.safetensors"
+    assert "reference" not in EmbeddingConfig().to_record()
+
+
+def test_a_fitted_reference_names_its_model_without_the_machines_folder(tmp_path, monkeypatch):
+    from moee.capture.tiny import tiny_model, tiny_tokenizer
+    from moee.embed.embedder import MoEEmbedder
+
+    folder = tmp_path / "models" / "tiny"
+    MoEEmbedder(tiny_model("olmoe", n_layers=2), tiny_tokenizer()).save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    emb = MoEEmbedder.from_pretrained(str(folder), device="cpu")
+    ref = emb.fit_reference(["one text here", "and another one", "a third"], tmp_path / "ref")
+    meta = json.loads(ref.with_suffix(".json").read_text())
+    assert meta["model"]["name"] == "models/tiny"
+
+
 def test_the_processor_is_named_and_its_feature_flags_digested(monkeypatch):
     import moee.provenance as prov
 

@@ -419,6 +419,18 @@ class EmbeddingConfig:
             **self._recipe_items(),
         }
 
+    def to_record(self) -> dict[str, Any]:
+        """:meth:`to_dict` as a result file records it: the reference path named like a model
+        (`moee.provenance.model_label`, relative under the working directory or the package), so a
+        committed result does not carry the folders of the machine that made it. Sidecars keep
+        :meth:`to_dict`, whose absolute path a later command in another directory still opens."""
+        from moee.provenance import model_label
+
+        values = self.to_dict()
+        if self.reference is not None:
+            values["reference"] = model_label(self.reference)
+        return values
+
     def _recipe_items(self) -> dict[str, Any]:
         return {n: _jsonable(getattr(self, n)) for n in RECIPE_FIELDS if getattr(self, n) is not None}
 

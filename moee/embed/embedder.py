@@ -823,6 +823,7 @@ class MoEEmbedder:
         path, which ``encode(..., reference=path)`` takes. Ensemble prompts share one set of statistics."""
         from moee import __version__
         from moee.embed.reference import Reference, check_reference_size
+        from moee.provenance import model_label
 
         texts = check_texts(texts)
         check_reference_size(len(texts))  # before any work: a std needs two texts
@@ -832,7 +833,7 @@ class MoEEmbedder:
         hs, rw = self.features(texts, unweighted, batch_size=batch_size, show_progress_bar=show_progress_bar)
         prompts = hs.shape[1]
         meta = {
-            "model": {"name": str(self.name_or_path), "revision": self.weights_digest},
+            "model": {"name": model_label(self.name_or_path), "revision": self.weights_digest},
             "features": self.reference_features(config),
             "n_texts": len(texts),
             "n_prompts": prompts,

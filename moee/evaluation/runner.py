@@ -429,7 +429,14 @@ def run_evaluation(
     if settings.overwrite:
         for group in groups.values():
             all_choices.pop(_alpha_key(embedder, revision, group[0]), None)
-    timings: dict[str, float] = {}
+    timings_path = out / "timings.json"
+    # a cell the cache already holds keeps the seconds measured when it ran (a rerun that only
+    # rebuilds the tables from the cache must not erase them)
+    timings: dict[str, float] = (
+        {}
+        if settings.overwrite or not timings_path.is_file()
+        else json.loads(timings_path.read_text(encoding="utf-8"))
+    )
     chosen: dict[str, dict[str, float]] = {}  # configuration tag -> task -> its label-free alpha
     for key, group in groups.items():
         features = group[0]
@@ -521,7 +528,7 @@ def run_evaluation(
             if settings.extra_cells
             else {}
         ),
-        "model_config": model_config.to_dict() if model_config is not None else None,
+        "model_config": model_config.to_record() if model_config is not None else None,
         "tasks": [t.metadata.name for t in tasks],
         "versions": record["versions"],
         "git_revision": record["git_revision"],
@@ -534,7 +541,7 @@ def run_evaluation(
 
     paths = write_tables(out, out, tasks=[t.metadata.name for t in tasks], extra=run_info)
     alpha_path.write_text(json.dumps(all_choices, indent=2) + "\n", encoding="utf-8")
-    (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+    timings_path.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
     log(f"done in {total:.0f}s")
     return {
         "out": out,
