@@ -313,9 +313,11 @@ def upcycle(
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     _check_layer_order(layer_order, None)
 
-    # every random draw below comes from `seed`; the caller's generator state is restored after
+    # every random draw below comes from `seed`; the caller's generator state is restored after.
+    # Every draw is made on the CPU, so only its generator is seeded (torch.manual_seed would also
+    # reseed the caller's CUDA generators, which fork_rng(devices=[]) does not restore)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         dense_model = _load_dense(src, dtype, causal, layer_order)
         text_config = dense_model.config
         rule = family_rule(getattr(text_config, "model_type", None))
