@@ -47,7 +47,7 @@ def test_settings_cover_the_registry_and_both_configs_read_the_same_fields():
         assert fields <= set(config.__dataclass_fields__), config.__name__
 
 
-def _upcycled(name: str, balance_router: bool | None = None, **extra) -> MoEEUpcycledForCausalLM:
+def _upcycled(name: str, balance_router: bool = True, **extra) -> MoEEUpcycledForCausalLM:
     top_k, options = GATE_SETTINGS[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CausalLeakWarning)
@@ -119,6 +119,30 @@ def test_every_gate_round_trips_in_an_upcycled_model(name, tmp_path):
     assert torch.equal(outputs(loaded, IDS), outputs(model, IDS))
 
 
+@pytest.mark.parametrize("kind", ["moee_lm", "moee_upcycled"])
+def test_a_loaded_loss_free_gate_starts_with_no_pending_load(kind, tmp_path, monkeypatch):
+    """The pending load is not saved: the loader's placeholder for it must be zeroed, else the
+    first training step moves the selection bias by whatever memory the placeholder held (two
+    loads of one model then train differently)."""
+    from moee.moe.gates import LossFreeBalancedGate
+
+    if kind == "moee_lm":
+        _lm("loss_free").save_pretrained(tmp_path)
+    else:
+        save_upcycled(_upcycled("loss_free"), tmp_path)
+    real = torch.empty_like
+
+    def garbage(t, *args, **kwargs):  # the loader's placeholders, holding uneven memory for certain
+        out = real(t, *args, **kwargs)
+        return out.copy_(torch.linspace(1e6, -1e6, out.numel()).reshape(out.shape).to(out.dtype))
+
+    monkeypatch.setattr(torch, "empty_like", garbage)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    monkeypatch.undo()
+    gates = [m for m in loaded.modules() if isinstance(m, LossFreeBalancedGate)]
+    assert len(gates) == 2 and all(torch.equal(g.pending_load, torch.zeros(N_EXPERTS)) for g in gates)
+
+
 def test_upcycled_router_starts_where_upcycle_puts_it():
     # split + centroid init: the hierarchical gate's groups take their experts' centroids
     flat = _upcycled("loss_free", balance_router=False)
@@ -145,7 +169,7 @@ def test_cli_router_choices_are_the_registry(tmp_path, capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["upcycle"]
     router = next(a for a in sub._actions if a.dest == "router")
-    assert tuple(router.choices) == tuple(GATES) and router.default == "noisy_top_k"
+    assert tuple(router.choices) == tuple(GATES) and router.default == "loss_free"
     assert router_options(
         ["router_n_groups=2", "router_score_func=sigmoid", "router_capacity_factor=null"]
     ) == {

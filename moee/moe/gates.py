@@ -626,3 +626,16 @@ class LossFreeBalancedGate(nn.Module):
             f"d_model={self.d_model}, n_experts={self.n_experts}, k={self.k}, gamma={self.gamma}, "
             f"score_func={self.score_func!r}, auto_update={self.auto_update}"
         )
+
+
+def init_unsaved_state(module: nn.Module) -> None:
+    """Zero what a gate keeps but does not save (the loss-free gate's pending load).
+
+    transformers' loader leaves a non-persistent buffer as uninitialised memory for the model's
+    ``_init_weights`` to fill; a pending load of garbage would move the first training step's
+    selection bias at random (two loads of one model then trained differently). Every MoE model
+    class calls this from its ``_init_weights``.
+    """
+    if isinstance(module, LossFreeBalancedGate):
+        with torch.no_grad():
+            module.pending_load.zero_()

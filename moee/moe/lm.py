@@ -33,6 +33,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from moee.moe.gate_registry import GATES, RouterFields, build_gate, gate_spec, resolve_router
+from moee.moe.gates import init_unsaved_state
 from moee.moe.layer import Experts, MoEERouter, MoELayer
 
 __all__ = ["MoEEConfig", "MoEEModel", "MoEEForCausalLM", "MoEERouter", "MoEEPreTrainedModel"]
@@ -261,6 +262,7 @@ class MoEEPreTrainedModel(PreTrainedModel):
     }
 
     def _init_weights(self, module: nn.Module) -> None:
+        init_unsaved_state(module)
         std = self.config.initializer_range
         if getattr(module, "_moee_router_part", False):
             # transformers applies this to leaves first, so router parts are matched by a tag.

@@ -53,6 +53,7 @@ from transformers.configuration_utils import SubConfigSpec
 from transformers.utils.output_capturing import OutputRecorder
 
 from moee.moe.gate_registry import RouterFields, build_gate, gate_spec, load_router_weight, resolve_router
+from moee.moe.gates import init_unsaved_state
 from moee.moe.layer import MoEERouter, dispatch_combine, routing_stats
 from moee.moe.lm import MoEECausalLMOutput
 
@@ -587,6 +588,13 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
         # Weights come from the dense checkpoint (upcycle) or the saved file (from_pretrained);
         # a fresh model from a config keeps the dense class's own init and zero experts.
         return
+
+    def initialize_weights(self) -> None:
+        # the gates sit inside the dense model, whose own _init_weights transformers dispatches to
+        # for them: what a gate does not save is zeroed here, after it (the loader runs this)
+        super().initialize_weights()
+        for module in self.modules():
+            init_unsaved_state(module)
 
 
 def _run_recording(model: MoEEUpcycledPreTrainedModel, forward: Callable, args: tuple, kwargs: dict):
