@@ -722,6 +722,56 @@ def test_a_distinct_bos_starts_every_document(corpus, tmp_path):
     assert (with_bos[ends + 1] == tok.bos_token_id).all()
 
 
+def test_runs_that_share_a_token_cache_tokenize_side_by_side(corpus, tmp_path):
+    """Two trainings started together both tokenize into one cache: each writes its own temporary
+    (one shared temporary lost one run its rename), and a failed run leaves none behind."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from moee.moe.trainer import load_tokens, tokenize_to_file
+
+    tok = AutoTokenizer.from_pretrained(corpus["root"] / "tok")
+    expected = load_tokens(tokenize_to_file(corpus["root"] / "heldout.jsonl", tok, tmp_path / "alone"))
+    both_writing = threading.Barrier(2, timeout=30)
+
+    class Waiting:  # the tokenizer, called once both runs are inside their writes
+        def __len__(self):
+            return len(tok)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, *args, **kwargs):
+            both_writing.wait()
+            return tok(*args, **kwargs)
+
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(tokenize_to_file(corpus["root"] / "heldout.jsonl", Waiting(), tmp_path / "shared"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and len(results) == 2 and results[0] == results[1]
+    np.testing.assert_array_equal(load_tokens(results[0]), expected)
+    assert sorted(p.suffix for p in (tmp_path / "shared").iterdir()) == [".json", ".u16"]
+
+    class Broken(Waiting):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("tokenizer failed")
+
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        tokenize_to_file(corpus["root"] / "train.jsonl", Broken(), tmp_path / "shared")
+    assert sorted(p.suffix for p in (tmp_path / "shared").iterdir()) == [".json", ".u16"]
+
+
 def test_a_kill_during_the_evaluation_after_a_checkpoint_is_made_good_on_resume(
     corpus, tmp_path, monkeypatch
 ):

@@ -84,5 +84,8 @@ def test_collapse_warning_names_the_layers_and_the_ceiling():
     message = collapse_warning("eval", layers, 4.0)
     assert "2 of 3 layers" in message and "layer 1: max/mean 2.50" in message and "layer 2" in message
     assert "layer 0" not in message and "ceiling 4.00" in message
+    assert "raise the gate's balancing-loss weights" in message and "moee upcycle --router" in message
+    loss_free = collapse_warning("eval", layers, 4.0, "loss_free")
+    assert loss_free.startswith(message.split(": raise")[0]) and loss_free.endswith("raise router_bias_gamma")
     assert collapse_warning("eval", layers[:1], 4.0) is None
     assert collapse_warning("eval", [{"max_over_mean_load": 2.0, "dead": 0}], 4.0) is None

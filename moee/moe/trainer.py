@@ -56,6 +56,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -318,29 +319,38 @@ def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | 
     meta_path = out.with_suffix(".json")
     if out.exists() and meta_path.exists():
         return out
-    tmp = out.with_suffix(".tmp")
+    # a temporary of this writer's own: runs that share the cache tokenize side by side (each
+    # renames identical bytes into place) instead of writing into one file and one losing its rename
+    fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=f".{out.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
     n_tokens = n_docs = 0
-    with open(tmp, "wb") as f:
-        batch: list[str] = []
+    try:
+        with os.fdopen(fd, "wb") as f:
+            batch: list[str] = []
 
-        def flush() -> None:
-            nonlocal n_tokens, n_docs
-            ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
-            flat = np.fromiter((t for doc in ids for t in (*head, *doc, eos)), dtype=np.uint16)
-            f.write(flat.tobytes())
-            n_tokens += flat.size
-            n_docs += len(batch)
-            batch.clear()
+            def flush() -> None:
+                nonlocal n_tokens, n_docs
+                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+                flat = np.fromiter((t for doc in ids for t in (*head, *doc, eos)), dtype=np.uint16)
+                f.write(flat.tobytes())
+                n_tokens += flat.size
+                n_docs += len(batch)
+                batch.clear()
 
-        for text in iter_jsonl_texts(jsonl):
-            batch.append(text)
-            if len(batch) >= 1000:
+            for text in iter_jsonl_texts(jsonl):
+                batch.append(text)
+                if len(batch) >= 1000:
+                    flush()
+            if batch:
                 flush()
-        if batch:
-            flush()
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed or interrupted run leaves no temporary behind
+        raise
     os.replace(tmp, out)
     meta = {"source": str(jsonl), "n_tokens": n_tokens, "n_docs": n_docs, "eos": eos, "vocab": len(tokenizer)}
-    meta_path.write_text(json.dumps(meta, indent=2))
+    meta_tmp = tmp.with_suffix(".json")
+    meta_tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(meta_tmp, meta_path)  # last: a cache entry with its .json is complete
     return out
 
 
@@ -699,9 +709,12 @@ def load_ceiling(model: torch.nn.Module) -> float:
     return cfg.num_experts / cfg.num_experts_per_tok
 
 
-def collapse_warning(where: str, layers: list[dict], ceiling: float) -> str | None:
+def collapse_warning(
+    where: str, layers: list[dict], ceiling: float, router_type: str | None = None
+) -> str | None:
     """The warning for the layers (``max_over_mean_load``, ``dead``) that look collapsed:
-    max/mean above `moee.moe.layer.COLLAPSE_MAX_OVER_MEAN` or an expert no token selected."""
+    max/mean above `moee.moe.layer.COLLAPSE_MAX_OVER_MEAN` or an expert no token selected, with
+    the remedy that applies to the model's ``router_type``."""
     bad = [
         f"layer {i}: max/mean {layer['max_over_mean_load']:.2f}, {layer['dead']} dead"
         for i, layer in enumerate(layers)
@@ -709,14 +722,27 @@ def collapse_warning(where: str, layers: list[dict], ceiling: float) -> str | No
     ]
     if not bad:
         return None
+    if router_type == "loss_free":
+        remedy = (
+            "the loss-free bias moves towards balance by router_bias_gamma per step (a freshly upcycled "
+            "model can collapse around the warm-up and recover, docs/UPCYCLING.md); if it persists, "
+            "raise router_bias_gamma"
+        )
+    else:
+        remedy = (
+            "raise the gate's balancing-loss weights (its router_w_* fields, moee/moe/README_TRAINING.md; "
+            "a load loss needs router_noisy), lower optim.router_lr_scale, or use router_type loss_free "
+            "(an init.from model takes its router from `moee upcycle --router`)"
+        )
     return (
         f"{where}: routing collapse in {len(bad)} of {len(layers)} layers ({'; '.join(bad)}; ceiling "
-        f"{ceiling:.2f} = experts / top-k): raise the balancing weights (router_w_load / "
-        "router_w_importance), lower optim.router_lr_scale, or use router_type loss_free"
+        f"{ceiling:.2f} = experts / top-k): {remedy}"
     )
 
 
-def _log_eval(log_path: Path, step: int, result: dict, bar: Any, ceiling: float) -> dict:
+def _log_eval(
+    log_path: Path, step: int, result: dict, bar: Any, ceiling: float, router_type: str | None = None
+) -> dict:
     """Append the held-out evaluation of ``step`` to the log and show it (on ``bar``, else stderr),
     with the max/mean ceiling and a `TrainerWarning` when a layer collapsed."""
     _append_log(log_path, {"kind": "eval", "step": step, **result})
@@ -730,7 +756,7 @@ def _log_eval(log_path: Path, step: int, result: dict, bar: Any, ceiling: float)
         bar.write(line)
     else:
         print(line, file=sys.stderr)
-    message = collapse_warning(f"held-out evaluation at step {step}", result["layers"], ceiling)
+    message = collapse_warning(f"held-out evaluation at step {step}", result["layers"], ceiling, router_type)
     if message:
         warnings.warn(message, TrainerWarning, stacklevel=2)
     return result
@@ -946,6 +972,7 @@ def train(
     model = _build_model(cfg, tokenizer)
     model.train()
     ceiling = load_ceiling(model)
+    router_type = getattr(model.config, "router_type", None)
     # Adam moves every router weight by ~lr per step whatever its gradient scale, which can make
     # all tokens pick the same experts faster than balancing reacts; router_lr_scale slows it.
     groups: dict[tuple[bool, bool], list] = {}
@@ -1012,7 +1039,9 @@ def train(
         elif heldout is not None and state.get("eval_due", step % ev["every"] == 0):
             # the run stopped between this checkpoint and the evaluation that follows it: run
             # that evaluation now, so the held-out history keeps every step
-            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), None, ceiling)
+            last_eval = _log_eval(
+                log_path, step, evaluate(model, heldout, ev["batch_size"]), None, ceiling, router_type
+            )
     t_start = time.time()
     tokens_run = 0
     bar = tqdm(total=max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="train")
@@ -1112,7 +1141,9 @@ def train(
             except NonFiniteCheckpointError as exc:
                 raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(out_dir)})") from exc
         if heldout is not None and (step % ev["every"] == 0 or done):
-            last_eval = _log_eval(log_path, step, evaluate(model, heldout, ev["batch_size"]), bar, ceiling)
+            last_eval = _log_eval(
+                log_path, step, evaluate(model, heldout, ev["batch_size"]), bar, ceiling, router_type
+            )
         if timed_out and step < last_stop:
             stopped_early = True
             bar.write(f"stop_after_minutes reached at step {step}; checkpoint saved")
