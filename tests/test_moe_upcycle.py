@@ -240,7 +240,8 @@ def test_capture_finds_one_router_per_layer_and_encodes(family, tmp_path):
         emb = MoEEmbedder(AutoModel.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path))
     routers = find_routers(emb.model)
     assert [r.layer_index for r in routers] == [0, 1]
-    assert {r.n_experts for r in routers} == {4} and {r.rule for r in routers} == {"softmax"}
+    # the default loss_free router: softmax scores, its selection bias read beside them
+    assert {r.n_experts for r in routers} == {4} and {r.rule for r in routers} == {"softmax_bias"}
     assert emb.n_moe_layers == 2 and emb.n_experts == 4
     for method, dim in (("hs", 32), ("rw", 8), ("moee_sum", 40)):
         vectors = emb.encode(TEXTS, method=method)

@@ -190,7 +190,7 @@ def test_offsets_settle_through_each_gates_own_selection(router_type, options):
                 balance_router=balance,
                 calibration=SAMPLE,
             )
-            for balance in (False, None)
+            for balance in (False, True)
         )
     assert _worst(settled, SAMPLE[:24]) <= 1.25 < _worst(raw, SAMPLE[:24])
 

@@ -118,6 +118,10 @@ REFUSED = [
         {"layer_order": [0, -1]},
         "layer order must be a non-empty list of layer indices in [0, number of layers), got [0, -1]",
     ),
+    *(
+        ({"balance_router": bad}, f"balance_router must be True or False, got {bad!r}")
+        for bad in (None, 1, "yes")
+    ),
 ]
 
 
@@ -201,7 +205,7 @@ def test_a_loaded_model_without_a_layer_count_is_refused_by_its_family():
 
 
 # ----------------------------------------------------------------- defaults and the config written
-def test_the_defaults_split_with_centroid_routers_noisy_top_k_and_seed_0():
+def test_the_defaults_split_with_centroid_routers_loss_free_and_seed_0():
     dense = dense_model("bert")
     plans = [up.split_neurons(ffn, 4, seed=0) for ffn in dense_ffns(dense)]
     with warnings.catch_warnings():
@@ -211,7 +215,7 @@ def test_the_defaults_split_with_centroid_routers_noisy_top_k_and_seed_0():
     assert (config.upcycle_mode, config.router_init, config.router_type) == (
         "split",
         "centroid",
-        "noisy_top_k",
+        "loss_free",
     )
     assert config.router_bias_gamma == 1e-3 and config.shared_intermediate_size == 0
     assert config.expert_intermediate_size == D_FF // 4 and config.upcycled_from is None
@@ -447,18 +451,29 @@ def test_only_a_folder_without_calibration_or_tokenizer_lends_its_own_tokenizer(
     ("router_type", "balance", "called"),
     [
         ("noisy_top_k", None, True),
-        ("loss_free", None, False),
-        ("loss_free", True, True),
+        ("loss_free", None, True),
+        ("loss_free", False, False),
         ("switch", False, False),
     ],
 )
-def test_routers_are_balanced_by_default_but_loss_free_on_the_first_three_quarters(
+def test_every_router_is_balanced_by_default_on_the_first_three_quarters(
     monkeypatch, router_type, balance, called
 ):
     calls = spy(monkeypatch, "balance_routers", result="not run")
     mask = torch.ones_like(SAMPLE)
     mask[:, 10:] = 0
-    moe = build(router_type=router_type, balance_router=balance, router_init="zero", calibration_mask=mask)
+    args = {
+        "n_experts": 4,
+        "top_k": 1,
+        "router_type": router_type,
+        "router_init": "zero",
+        "calibration": SAMPLE,
+    }
+    if balance is not None:  # else upcycle()'s own default
+        args["balance_router"] = balance
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", up.UpcycleWarning)
+        moe = up.upcycle(dense_model("bert"), calibration_mask=mask, **args)
     assert len(calls) == int(called)
     if called:
         [((model, weights, ids, fit_mask), kwargs)] = calls
@@ -480,8 +495,7 @@ def test_a_real_collapse_warns_with_every_collapsed_layer():
     message = (
         "the upcycled routers start collapsed in 2 of 2 layers on the calibration sample's unseen "
         "quarter: layer 0 (max/mean 2.00, 2 dead); layer 1 (max/mean 2.00, 2 dead) (ceiling 2.00 = "
-        "experts / top-k); training reinforces a collapse: keep the router balancing on, or use a "
-        "loss_free router"
+        f"experts / top-k); {TRAINING}"
     )
     with pytest.warns(up.UpcycleWarning, match=f"^{re.escape(message)}$"):
         up.upcycle(dense_model("bert"), n_experts=4, top_k=2, router_init="zero", balance_router=False)
@@ -502,7 +516,10 @@ def _warnings_of(monkeypatch, report):
     return [(message, level) for message, category, level in warned if category is up.UpcycleWarning]
 
 
-TRAINING = "training reinforces a collapse: keep the router balancing on, or use a loss_free router"
+TRAINING = (
+    "training reinforces a collapse: keep the router balancing on, balance on text like the model's own "
+    "(calibration), and train with a loss_free router"
+)
 
 
 def test_the_warning_names_only_the_collapsed_layers_and_points_at_the_caller(monkeypatch):

@@ -74,9 +74,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--no-router-balance",
         action="store_true",
-        help="keep the raw router start (by default every router but loss_free has the shared "
-        "component of its layer's inputs removed and per-expert offsets settled, so the experts "
-        "start evenly loaded)",
+        help="keep the raw router start (by default every router has the shared component of its "
+        "layer's inputs removed and per-expert offsets settled, so the experts start evenly loaded)",
     )
     p.add_argument(
         "--dtype",
@@ -100,10 +99,11 @@ def register(subparsers) -> None:
         "--router",
         choices=_GateNames(),
         metavar="GATE",  # a metavar keeps argparse from listing the choices (importing torch) at start-up
-        default="noisy_top_k",
+        default="loss_free",
         help="the gate: %(choices)s (moee.moe.gate_registry.GATES, as in moee train's model.router_type) "
-        "(default %(default)s, without noise: deterministic top-k; loss_free: top-k with a "
-        "loss-free balancing bias)",
+        "(default %(default)s: top-k softmax with a selection bias that keeps the load balanced while "
+        "the model trains; untrained it computes what noisy_top_k without noise, the deterministic "
+        "top-k, does)",
     )
     p.add_argument(
         "--router-bias-gamma", type=float, default=1e-3, help="loss-free bias step (default %(default)s)"
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         router_type=args.router,
         router_bias_gamma=args.router_bias_gamma,
         router_options=router_options(args.router_option),
-        balance_router=False if args.no_router_balance else None,
+        balance_router=not args.no_router_balance,
         calibration=calibration,
         calibration_mask=mask,
         tokenizer=tokenizer,

@@ -231,10 +231,10 @@ def upcycle(
     dtype: torch.dtype | None = None,
     causal: bool = False,
     layer_order: list[int] | None = None,
-    router_type: str = "noisy_top_k",
+    router_type: str = "loss_free",
     router_bias_gamma: float = 1e-3,
     router_options: dict[str, Any] | None = None,
-    balance_router: bool | None = None,
+    balance_router: bool = True,
     calibration: torch.Tensor | None = None,
     calibration_mask: torch.Tensor | None = None,
     tokenizer: Any = None,
@@ -252,9 +252,11 @@ def upcycle(
     embeddings), so it loads with ``AutoModelForCausalLM``. ``layer_order`` applies depth
     up-scaling first (`moee.moe.upcycled.reorder_layers`, e.g. ``[0, 1, 2, 3, 2, 3, 4, 5]``).
     ``router_type`` is any gate of `moee.moe.gate_registry.GATES` (the names the from-scratch LM
-    uses; ``noisy_top_k``, by default without noise: the deterministic top-k softmax gate;
-    ``loss_free``: a selection bias that training moves towards balanced load, step
-    ``router_bias_gamma``); ``router_options`` sets its other ``router_*`` fields
+    uses; by default ``loss_free``: softmax scores, top-k selection with a per-expert bias that
+    training moves towards balanced load, step ``router_bias_gamma``, and that starts at zero, so
+    an untrained model computes what ``noisy_top_k`` without noise (the deterministic top-k softmax
+    gate) does; unlike that gate it keeps the load balanced while the model trains, which no
+    noise-free gate's balancing loss does: docs/UPCYCLING.md); ``router_options`` sets its other ``router_*`` fields
     (`moee.moe.gate_registry.RouterFields`, e.g. ``{"router_n_groups": 4}`` for ``hierarchical``;
     a ``router_bias_gamma`` there wins over the argument).
 
@@ -265,8 +267,7 @@ def upcycle(
     Routers start balanced: the FFN inputs of one layer share a large common component (the
     LayerNorm bias, position terms), and a router row's projection on it decides the top-k for
     almost every token (one expert with most of the load, dead experts). ``balance_router``
-    (default: every gate but ``loss_free``, whose selection bias balances it in training, see
-    `moee.moe.trainer.calibrate_router_biases`) removes that component from every router row and
+    (default on, for every gate) removes that component from every router row and
     then settles a per-expert offset until the layer's own gate loads the experts evenly
     (`balance_routers`), layer by layer, on the first three quarters of ``calibration`` (token
     ids ``[n, L]``, ``calibration_mask`` its attention mask; default `calibration_texts` through
@@ -312,6 +313,8 @@ def upcycle(
         ):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     _check_layer_order(layer_order, None)
+    if not isinstance(balance_router, bool):  # None once meant "the default"; now it would mean off
+        raise ValueError(f"balance_router must be True or False, got {balance_router!r}")
 
     # every random draw below comes from `seed`; the caller's generator state is restored after.
     # Every draw is made on the CPU, so only its generator is seeded (torch.manual_seed would also
@@ -381,7 +384,7 @@ def upcycle(
             tokenizer = _local_tokenizer(Path(src))
         sample, mask = _calibration_sample(model, calibration, calibration_mask, seed, tokenizer)
         fit, held = _split_sample(len(sample))
-        if balance_router if balance_router is not None else router_type != "loss_free":
+        if balance_router:
             balance_routers(model, [plan[3] for plan in plans], sample[fit], mask[fit])
         report = router_load_report(model, sample[held], mask[held])
     model.router_load_report = report
@@ -394,7 +397,8 @@ def upcycle(
         warnings.warn(
             f"the upcycled routers start collapsed in {len(collapsed)} of {len(report)} layers on the "
             f"calibration sample's unseen quarter: {'; '.join(collapsed)} (ceiling {report[0]['ceiling']:.2f} = experts / "
-            "top-k); training reinforces a collapse: keep the router balancing on, or use a loss_free router",
+            "top-k); training reinforces a collapse: keep the router balancing on, balance on text like the "
+            "model's own (calibration), and train with a loss_free router",
             UpcycleWarning,
             stacklevel=2,
         )
