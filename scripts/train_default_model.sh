@@ -23,7 +23,10 @@
 # drawing from an unseeded generator), so a rerun of stage 1 gives nearby, not equal, biases (up to
 # 0.003) and stage 2 would start elsewhere. Stage 2's export (step 3 here) is today's: the
 # calibration runs without dropout and is deterministic, and two runs of it wrote bit-identical
-# model files. The card's figures are the committed files' own (tests recompute them).
+# model files. The card's figures are the committed files' own (tests recompute them). Both stages
+# (and every resume) loaded their loss-free gates before a fix made a loaded gate's unsaved pending
+# load zero: the first step after each load moved the selection biases by uninitialised memory (at
+# most one step of router_bias_gamma per expert), another reason a rerun lands nearby, not equal.
 # Needs build/corpus (scripts/build_corpus.py). Every stage is resumable: a finished stage is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
