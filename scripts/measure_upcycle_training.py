@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg["data"]["seq_len"],
         cfg["eval"]["max_windows"],
     )
-    torch.manual_seed(cfg["seed"])
-    torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(cfg["threads"])  # the step-0 evaluation on the threads training uses
     rows = [_row(0, evaluate(model, windows, cfg["eval"]["batch_size"]))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

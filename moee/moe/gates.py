@@ -633,8 +633,9 @@ def init_unsaved_state(module: nn.Module) -> None:
 
     transformers' loader leaves a non-persistent buffer as uninitialised memory for the model's
     ``_init_weights`` to fill; a pending load of garbage would move the first training step's
-    selection bias at random (two loads of one model then trained differently). Every MoE model
-    class calls this from its ``_init_weights``.
+    selection bias at random (two loads of one model then trained differently). ``moee_lm`` calls
+    this from its ``_init_weights``; an upcycled model, whose gates the dense model's own
+    ``_init_weights`` covers, from its ``initialize_weights``.
     """
     if isinstance(module, LossFreeBalancedGate):
         with torch.no_grad():

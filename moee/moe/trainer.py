@@ -56,7 +56,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -321,11 +320,12 @@ def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | 
         return out
     # a temporary of this writer's own: runs that share the cache tokenize side by side (each
     # renames identical bytes into place) instead of writing into one file and one losing its rename
-    fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=f".{out.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
+    from moee.io import temporary_path, write_json_atomic
+
+    tmp = temporary_path(out, "tmp")
     n_tokens = n_docs = 0
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             batch: list[str] = []
 
             def flush() -> None:
@@ -348,9 +348,7 @@ def tokenize_to_file(jsonl: str | os.PathLike, tokenizer: Any, cache_dir: str | 
         raise
     os.replace(tmp, out)
     meta = {"source": str(jsonl), "n_tokens": n_tokens, "n_docs": n_docs, "eos": eos, "vocab": len(tokenizer)}
-    meta_tmp = tmp.with_suffix(".json")
-    meta_tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(meta_tmp, meta_path)  # last: a cache entry with its .json is complete
+    write_json_atomic(meta_path, meta)  # last: a cache entry with its .json is complete
     return out
 
 
