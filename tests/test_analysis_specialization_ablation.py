@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moee.analysis.specialization.ablate_results import write_result
 from moee.analysis.specialization.html import render_html
 from moee.analysis.specialization.sections import ablation
 from moee.analysis.specialization.sections.ablation import ablation_section, read_ablation
@@ -66,7 +67,10 @@ def importance(model: str | None, n_layers: int = L, n_experts: int = E, digest:
 
 
 def _write(path: Path, result) -> Path:
+    """``result`` as `moee ablate` writes it (sealed); a non-object as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(result, dict):
+        return write_result(path, result)
     path.write_text(json.dumps(result))
     return path
 
@@ -220,3 +224,33 @@ def test_report_cli_refuses_an_ablation_of_another_model_before_routing(
     named = _write(tmp_path / "n.json", importance("someone/else"))
     assert main(_argv(model_dir, corpus, tmp_path / "r", "--ablation", str(named))) == 2
     assert "not of the report's model" in capsys.readouterr().err
+
+
+def test_report_cli_refuses_a_tampered_or_unsealed_ablation(model_dir, corpus, tmp_path, monkeypatch, capsys):
+    """An importance.json whose meta was removed and one delta edited to 9.99 was shown as measured:
+    every result `moee ablate` writes is sealed, and an edited or unsealed one is refused before any
+    work, naming the file and the command to re-run."""
+    import moee.analysis.specialization as package
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was routed before the ablation was checked")
+
+    monkeypatch.setattr(package, "build_report", refuse)
+    sealed = _write(tmp_path / "ok" / "importance.json", importance(str(model_dir)))
+    assert read_ablation(sealed)["result_sha256"]
+    tampered = json.loads(sealed.read_text())
+    del tampered["meta"]
+    tampered["experts"][3]["delta"] = 9.99
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "importance.json").write_text(json.dumps(tampered))
+    assert main(_argv(model_dir, corpus, tmp_path / "r", "--ablation", str(tmp_path / "t"))) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 't' / 'importance.json'} was changed after it was written" in err, err
+    assert "re-run `moee ablate`" in err
+    unsealed = importance(str(model_dir))  # as moee ablate wrote results before they were sealed
+    (tmp_path / "u.json").write_text(json.dumps(unsealed))
+    assert main(_argv(model_dir, corpus, tmp_path / "r", "--ablation", str(tmp_path / "u.json"))) == 2
+    err = capsys.readouterr().err
+    assert "u.json has no result_sha256" in err, err
+    assert "re-run the command that wrote it: moee ablate --corpus c.txt --out d" in err
+    assert not (tmp_path / "r").exists()

@@ -146,6 +146,8 @@ def test_a_result_of_another_model_is_refused(tiny_model_dir, corpus, results, t
         ),
         ("--router-swap", "noswaps", r"not a router-swap result \('swaps' is not a non-empty list\)"),
         ("--steering", "badbias", r"biases\[0\] has no number for bias"),
+        ("--router-swap", "editedswap", r"f\.json was changed after it was written .*re-run .*moee ablate"),
+        ("--steering", "editedkl", r"f\.json was changed after it was written .*re-run .*moee ablate"),
     ],
 )
 def test_a_wrong_file_is_refused_before_any_work(
@@ -169,6 +171,14 @@ def test_a_wrong_file_is_refused_before_any_work(
     elif given == "badbias":
         result = json.loads((results["boost"] / "steering.json").read_text())
         result["biases"][0]["bias"] = "big"
+        path.write_text(json.dumps(result))
+    elif given == "editedswap":  # a well-formed number, edited: only the seal tells
+        result = json.loads((results["swap"] / "swap.json").read_text())
+        result["swaps"][0]["delta"] = 9.99
+        path.write_text(json.dumps(result))
+    elif given == "editedkl":
+        result = json.loads((results["boost"] / "steering.json").read_text())
+        result["kl_next_token"] = 9.99
         path.write_text(json.dumps(result))
     elif "/" in given:
         folder, name = given.split("/")

@@ -293,8 +293,9 @@ def run(args: argparse.Namespace) -> int:
         router_swap,
         steering_effect,
     )
+    from moee.analysis.specialization.ablate_results import write_result
     from moee.cli_options import load_from_args
-    from moee.io import run_metadata, write_json_atomic
+    from moee.io import run_metadata
 
     for name in ("max_tokens", "seq_len", "batch_size", "steer_texts", "per_domain_tokens", "null_draws"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -339,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             "donor_digest": weights_digest(SimpleNamespace(name_or_path=args.swap_from, model=donor)),
             "meta": meta,
         }
-        write_json_atomic(out / "swap.json", result)
+        write_result(out / "swap.json", result)  # sealed: `moee report` refuses an edit
         domains = list(result["base"]["loss_by_domain"])
         _write_csv(out / "swap.csv", result["swaps"], domains)
         (out / "README.md").write_text(swap_markdown(result, command), encoding="utf-8")
@@ -364,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             "meta": meta,
         }
-        write_json_atomic(out / "steering.json", result)
+        write_result(out / "steering.json", result)
         (out / "README.md").write_text(steering_markdown(result, command), encoding="utf-8")
         null = result["null"]
         print(
@@ -402,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
         progress=_progress,
     )
     result["meta"] = meta
-    write_json_atomic(out / "importance.json", result)
+    write_result(out / "importance.json", result)
     _write_csv(out / "experts.csv", result["experts"], list(result["domains"]))
     (out / "README.md").write_text(importance_markdown(result, command), encoding="utf-8")
     corr = result["spearman_importance_load"]["pooled"]

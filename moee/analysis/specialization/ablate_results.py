@@ -1,9 +1,17 @@
-"""Reading a ``moee ablate`` result for the report's causal sections (expert importance, router swap,
-steering), in one place: the report routes texts and cannot run the ablation's extra forward
-passes, so it reads the file that ``moee ablate`` wrote. :func:`read_result` checks the file before
-any work starts (it exists, is JSON, is the right kind of result and has the section's shape);
-:func:`check_model` checks it against the report's model once that loads (its MoE layers and
-experts, and its weights digest or else its model name)."""
+"""Writing and reading a ``moee ablate`` result for the report's causal sections (expert importance,
+router swap, steering), in one place: the report routes texts and cannot run the ablation's extra
+forward passes, so it reads the file that ``moee ablate`` wrote. :func:`write_result` seals it (its
+own content digest under :data:`SEAL_KEY`, ``moee.io.seal``, as embeddings sidecars are sealed);
+:func:`read_result` checks the file before any work starts (it exists, is JSON, is the right kind of
+result, has the section's shape and its seal matches its content: an edited number, a removed
+``meta`` or a file without a seal is refused, naming the command to re-run); :func:`check_model`
+checks it against the report's model once that loads (its MoE layers and experts, and its weights
+digest or else its model name).
+
+A result written before results were sealed is refused too, not read with a warning as an
+embeddings sidecar of the previous format is: such a file carries no format mark, so it cannot be
+told apart from a sealed one whose seal was removed with the edit, and a result is minutes of
+``moee ablate`` to regenerate, where embeddings can be hours."""
 
 from __future__ import annotations
 
@@ -23,8 +31,11 @@ __all__ = [
     "result_kind",
     "signed",
     "unavailable_html",
+    "write_result",
 ]
 
+#: The key of a result's digest of its own content (``moee.io.seal``).
+SEAL_KEY = "result_sha256"
 #: The name ``moee ablate`` records for the bundled model (its ``--model`` left out).
 BUNDLED = "bundled default model"
 #: Each kind of ``moee ablate`` result: (its file, what it is called, the report flag that reads it,
@@ -73,10 +84,27 @@ def _fix(kind: str) -> str:
     return f"give the {name} that `moee ablate --corpus C {flags} --out DIR` writes (or DIR)"
 
 
+def write_result(path: str | Path, result: dict[str, Any]) -> Path:
+    """Write a ``moee ablate`` result as JSON, sealed (:data:`SEAL_KEY`), atomically."""
+    from moee.io import seal, write_json_atomic
+
+    return write_json_atomic(path, seal(result, SEAL_KEY))
+
+
+def _rerun(result: dict, kind: str) -> str:
+    """How to get a sealed result again: the command the file records, else the kind's."""
+    meta = result.get("meta") if isinstance(result.get("meta"), dict) else {}
+    command = meta.get("command")
+    if isinstance(command, str) and command.startswith("moee ablate"):
+        return f"re-run the command that wrote it: {command}"
+    return f"re-run `moee ablate` ({_fix(kind)})"
+
+
 def read_result(path: str | Path, kind: str, problems: Callable[[dict], str | None]) -> dict:
     """The ``kind`` result of ``path`` (the file, or the ``moee ablate --out`` folder holding it),
-    refused with the fix when it is missing, not JSON, another kind of result, or ``problems``
-    (the section's shape check: a reason, or ``None``) finds it malformed. ``source`` is added."""
+    refused with the fix when it is missing, not JSON, another kind of result, ``problems`` (the
+    section's shape check: a reason, or ``None``) finds it malformed, or its seal is missing or
+    does not match its content (:func:`write_result`). ``source`` is added."""
     name, label, flag, _ = KINDS[kind]
     given = Path(path).expanduser()
     file = given / name if given.is_dir() else given
@@ -100,6 +128,12 @@ def read_result(path: str | Path, kind: str, problems: Callable[[dict], str | No
     reason = "not a JSON object" if not isinstance(result, dict) else problems(result)
     if reason:
         raise ValueError(f"{flag} {path}: {file} is not {_a(label)} result ({reason}); {_fix(kind)}")
+    from moee.io import check_seal
+
+    try:  # no seal: written by an older moee, or edited with the seal removed
+        check_seal(result, file, remedy=_rerun(result, kind), key=SEAL_KEY)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
     return {**result, "source": str(file)}
 
 
