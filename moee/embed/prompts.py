@@ -23,7 +23,9 @@ Truncation (``tokenize_prompts``) cuts the *text*, never the template: a text wh
 prompt is longer than the model's maximum length is shortened at a token boundary of the text
 until the rendered prompt fits, so PromptEOL's closing ``means in one word:"`` (whose last token
 is the one pooled) survives. The result is exactly the tokenization of the template rendered
-around the shortened text; special tokens the tokenizer adds are kept as well.
+around the shortened text; special tokens the tokenizer adds are kept as well. Cutting costs about
+what tokenizing the text costs, whatever its length: the text is tokenized alone once (its token
+boundaries), and only the few shortened texts the search tries are ever built.
 """
 
 from __future__ import annotations
@@ -123,27 +125,50 @@ def render_prompts(texts: list[str], prompt: str | None, *, prepare: bool = True
     return [render_prompt(t, resolve_prompt(prompt), prepare=prepare) for t in texts]
 
 
-def _ids(tokenizer: Any, strings: list[str]) -> list[list[int]]:
-    """Token ids with the tokenizer's special tokens, nothing truncated."""
+def _ids(tokenizer: Any, strings: list[str], *, special: bool = True) -> list[list[int]]:
+    """Token ids with the tokenizer's special tokens (``special=False``: without), nothing truncated."""
     out = tokenizer(
-        strings, add_special_tokens=True, truncation=False, return_attention_mask=False, verbose=False
+        strings, add_special_tokens=special, truncation=False, return_attention_mask=False, verbose=False
     )["input_ids"]
     return [list(ids) for ids in out]
 
 
-def _cut_points(tokenizer: Any, text: str, side: str) -> list[int]:
+def _cut_points(tokenizer: Any, text: str, side: str) -> tuple[list[int], int | None]:
     """Character positions where ``text`` may be cut: its token boundaries (word boundaries for a
-    tokenizer without offsets). Right side: ends of tokens; left side: starts, last first."""
+    tokenizer without offsets). Right side: ends of tokens; left side: starts, last first. Also the
+    text's number of tokens without special tokens, read off the same pass (``None`` without
+    offsets), so a long text is tokenized alone only once."""
     try:
-        spans = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)[
-            "offset_mapping"
-        ]
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        spans, n_tokens = enc["offset_mapping"], len(enc["input_ids"])
     except (NotImplementedError, TypeError, ValueError, KeyError):  # a tokenizer without offsets
-        spans = [m.span() for m in re.finditer(r"\S+", text)]
+        spans, n_tokens = [m.span() for m in re.finditer(r"\S+", text)], None
     spans = [(int(a), int(b)) for a, b in spans if b > a]
     if side == "left":
-        return sorted({a for a, _ in spans}, reverse=True)
-    return sorted({b for _, b in spans})
+        return sorted({a for a, _ in spans}, reverse=True), n_tokens
+    return sorted({b for _, b in spans}), n_tokens
+
+
+class _Pieces:
+    """The shortened texts a cut may leave, made on demand: ``[k]`` keeps ``k`` cut points (``[0]``
+    is the empty text; the whole text, too long, is never one of them).
+
+    Why on demand: a long text has a cut point per token, and a copy of the text per cut point
+    costs memory and time with the square of its length; the search reads a handful of them."""
+
+    def __init__(self, text: str, points: list[int], side: str) -> None:
+        self.text, self.side = text, side
+        # a point that keeps the whole text (the end on the right, the start on the left) is no cut
+        self.points = [p for p in points if (p < len(text) if side == "right" else p > 0)]
+
+    def __len__(self) -> int:
+        return 1 + len(self.points)
+
+    def __getitem__(self, k: int) -> str:
+        if k == 0:
+            return ""
+        p = self.points[k - 1]
+        return self.text[:p] if self.side == "right" else self.text[p:]
 
 
 def _largest_fitting(fits: Callable[[int], bool], n: int, guess: int) -> int:
@@ -219,25 +244,25 @@ def fit_prompts(
         if len(ids) <= max_length:
             continue
         text = texts[i]
-        points = _cut_points(tokenizer, text, side)
-        pieces = [text[:p] if side == "right" else text[p:] for p in points]
-        pieces = [
-            "",
-            *[p for p in pieces if p != text],
-        ]  # pieces[k]: k cut points kept; the whole text is too long
+        points, n_tokens = _cut_points(tokenizer, text, side)
+        piece = _Pieces(text, points, side)
         tried: dict[int, list[int]] = {}
 
-        def fits(k: int, pieces: list[str] = pieces, tried: dict[int, list[int]] = tried) -> bool:
+        def fits(k: int, piece: _Pieces = piece, tried: dict[int, list[int]] = tried) -> bool:
             if k not in tried:
-                tried[k] = _ids(tokenizer, [render_prompt(pieces[k], template, prepare=prepare)])[0]
+                tried[k] = _ids(tokenizer, [render_prompt(piece[k], template, prepare=prepare)])[0]
             return len(tried[k]) <= max_length
 
-        keep = _largest_fitting(fits, len(pieces), len(pieces) - (len(ids) - max_length))
+        keep = _largest_fitting(fits, len(piece), len(piece) - (len(ids) - max_length))
         if keep < 0:
             raise ValueError(
                 f"the prompt {prompt!r} with an empty text is {len(tried[0])} tokens, more than the maximum "
                 f"length {max_length}: no text would fit"
             )
-        whole, left = _ids(tokenizer, [text, pieces[keep]])  # the text alone: its own loss, once
-        out[i], cut[i], kept[i] = tried[keep], len(whole) - len(left), pieces[keep]
+        # the text alone, its own loss once: a single text gets as many special tokens as any other
+        if n_tokens is None:
+            whole, left = (len(s) for s in _ids(tokenizer, [text, piece[keep]]))
+        else:
+            whole, left = n_tokens, len(_ids(tokenizer, [piece[keep]], special=False)[0])
+        out[i], cut[i], kept[i] = tried[keep], whole - left, piece[keep]
     return out, cut, kept
