@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the benchmarks of BENCHMARKS.md side by side (nice'd, single-threaded) and regenerate BENCHMARKS.md.
 #
-# Usage: scripts/run_benchmarks.sh [capture] [pipeline] [moe_layer] [training] [search] [recipes] [report] [serve] [ablate] [gpu_smoke]
+# Usage: scripts/run_benchmarks.sh [capture] [pipeline] [moe_layer] [training] [search] [recipes] [report] [serve] [ablate] [long_texts] [gpu_smoke]
 #        (no argument: all of them). Results: bench/results/*.json and docs/bench_capture.json.
 #        BENCHMARKS.md is always rewritten from whatever result files exist.
 # Environment: PYTHON (default python), NICE (default 10), OMP_NUM_THREADS (default 1).
@@ -33,8 +33,12 @@ for name in "${selected[@]}"; do
       OMP_NUM_THREADS=2 run scripts/bench_report.py --corpus build/corpus/train.jsonl --tokens 1000000 --reps 1 ;;
     serve) run scripts/bench_serve.py ;;
     ablate) run scripts/bench_ablate.py ;;
+    long_texts)  # side by side with the code before the cut was made linear
+      rm -rf build/moee-before && mkdir -p build/moee-before
+      git archive f7f5ffb~1 moee | tar -x -C build/moee-before
+      run scripts/bench_long_texts.py --before build/moee-before ;;
     gpu_smoke) run scripts/gpu_check.py --tiny --out /tmp/gpu_check_tiny.json ;;
-    *) echo "unknown benchmark: $name (capture pipeline moe_layer training search recipes report serve ablate gpu_smoke)" >&2; exit 2 ;;
+    *) echo "unknown benchmark: $name (capture pipeline moe_layer training search recipes report serve ablate long_texts gpu_smoke)" >&2; exit 2 ;;
   esac
 done
 "$PY" scripts/write_benchmarks_md.py

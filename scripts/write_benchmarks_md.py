@@ -1,6 +1,6 @@
 """Regenerate BENCHMARKS.md from the benchmark result files (no figure is typed by hand).
 
-Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,ablate,ray_engine,ray_reading,gpu_check}.json`` and
+Reads ``bench/results/{pipeline,moe_layer,training,search,search_isotropic,report,serve,ablate,ray_engine,ray_reading,long_texts,gpu_check}.json`` and
 ``docs/bench_capture.json``; a missing file is reported as "not run" with its command.
 
     python scripts/write_benchmarks_md.py [--results bench/results] [--out BENCHMARKS.md]
@@ -30,6 +30,7 @@ COMMANDS = {
     "ray_reading": "nice -n 15 env OMP_NUM_THREADS=1 python scripts/bench_ray.py --only reading --rows 400000 --world 8",
     "report": "nice -n 5 env OMP_NUM_THREADS=2 python scripts/bench_report.py --corpus build/corpus/train.jsonl "
     "--tokens 1000000 --reps 1",
+    "long_texts": "scripts/run_benchmarks.sh long_texts   # the code before the linear cut, side by side",
 }
 
 
@@ -522,6 +523,52 @@ def ablate_section(a: dict | None) -> tuple[list[str], list[list[str]]]:
     return lines, [["10", "moee ablate: cost per expert (disabled + null)", "—", measured, "—"]]
 
 
+def _peak(row: dict[str, Any]) -> str:
+    if "over_limit_bytes" in row:
+        return f"stopped at {row['over_limit_bytes'] / 1e9:.1f} GB after {row['after_s']:.0f} s"
+    return f"{row['peak_rss_bytes'] / 1e9:.2f}"
+
+
+def _seconds(row: dict[str, Any] | None, key: str) -> str:
+    return "—" if row is None or key not in row else f"{row[key]:.2f}"
+
+
+def long_texts_section(r: dict | None) -> tuple[list[str], list[list[str]]]:
+    title = "## 12. Long texts (`scripts/bench_long_texts.py`)"
+    name = "long texts: peak memory embedding one 1M-character text (the whole process)"
+    goal = "< 1 GB; cut ~ tokenizing"
+    if r is None:
+        return [title, "", _not_run("long_texts")], [["12", name, goal, "not run", "—"]]
+    after = {row["chars"]: row for row in r["variants"]["after"]}
+    before = {row["chars"]: row for row in r["variants"].get("before", [])}
+    loaded = min(row["loaded_rss_bytes"] for row in after.values()) / 1e9
+    lines = [
+        title,
+        "",
+        _command(r),
+        "One text of `word word ...` per size, the bundled model, each measurement in a fresh process; "
+        f"peak = the process' peak resident memory in GB, the model included ({loaded:.2f} GB once loaded); "
+        "tokenize = one tokenizer pass over the text (the yardstick); cut = cutting it to the model's 256 "
+        "tokens (`fit_prompts`); encode = the whole `encode` call. Before: the cut built a copy of the text "
+        f"per token boundary (a process stops itself past {r['limit_bytes'] / 1e9:.1f} GB). Single runs on the "
+        "shared machine: the seconds vary between runs (the memory does not).",
+        "",
+        "| characters | tokenize s | cut s, before -> after | encode s, before -> after | peak GB, before -> after |",
+        "|---|---|---|---|---|",
+    ]
+    for chars in r["sizes"]:
+        a, b = after[chars], before.get(chars)
+        lines.append(
+            f"| {chars:,} | {a['tokenize_s']:.2f} | {_seconds(b, 'cut_s')} -> {a['cut_s']:.2f} | "
+            f"{_seconds(b, 'encode_s')} -> {a['encode_s']:.2f} | {_peak(b) if b else '—'} -> {_peak(a)} |"
+        )
+    lines.append("")
+    big = after[max(r["sizes"])]
+    ok = "over_limit_bytes" not in big and big["peak_rss_bytes"] < 1e9 and big["chars"] >= 1_000_000
+    measured = f"{_peak(big)} GB at {big['chars']:,} characters"
+    return lines, [["12", name, goal, measured, _status(ok)]]
+
+
 def gpu_section(g: dict | None) -> list[str]:
     lines = ["## GPU check (`scripts/gpu_check.py`)", ""]
     if g is None or g.get("tiny"):
@@ -693,6 +740,7 @@ def render(results_dir: Path, capture_json: Path) -> str:
         serve_section(get("serve")),
         ablate_section(get("ablate")),
         ray_section(get("ray_engine"), get("ray_reading")),
+        long_texts_section(get("long_texts")),
     ]
     rows = [row for _, part_rows in parts for row in part_rows]
     out = [
