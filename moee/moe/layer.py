@@ -170,7 +170,8 @@ def dispatch_combine(
 
     x: [N, d]; weights, indices: [N, k]; slot_mask [N, k] (bool, optional) marks the real
     selections of gates that pad a variable number of experts per token (padded slots are
-    skipped, not computed). Returns [N, d] in x's dtype.
+    skipped, not computed). Returns [N, experts.d_model] in x's dtype (experts whose input is not
+    the model width, such as the adapters of `moee.moe.upcycled.LoRAExperts`, map d to d_model).
     """
     if x.dim() != 2 or weights.shape != indices.shape or weights.shape[0] != x.shape[0]:
         raise ValueError(
@@ -191,7 +192,7 @@ def dispatch_combine(
     counts = torch.bincount(flat_expert, minlength=experts.n_experts).tolist()
     x_sorted = x.index_select(0, token_of)
     w_sorted = flat_weight.index_select(0, order).to(x.dtype)
-    out = x.new_zeros(x.shape)
+    out = x.new_zeros(x.shape[0], experts.d_model)
     if token_of.numel() == 0:
         return out
     expert_out = experts.grouped_forward(x_sorted, counts) * w_sorted.unsqueeze(-1)

@@ -27,6 +27,13 @@ How experts are combined (see docs/UPCYCLING.md):
   experts equal to the dense FFN: a weighted average of partial FFNs would not be.
 * ``copy``: every expert is a full copy of the FFN and the selected experts are averaged with the
   renormalised top-k softmax weights (they sum to 1), so any routing reproduces the dense FFN.
+* ``lora``: a mixture of low-rank experts. Every expert is the whole FFN with its own rank-r
+  adapter on the down projection, ``E_e(x) = (W_down + B_e A_e) h(x)`` with ``h(x) = act(x W_gate)
+  * (x W_up)``; the selected experts are averaged with the renormalised top-k weights. Since the
+  weights sum to 1 this is ``W_down h + sum_j w_j B_j A_j h``: the dense FFN runs once per token
+  (stored once, as the shared expert) and only the small adapters are routed. With ``B = 0`` (the
+  start) the model is exactly the dense one; training the adapters and routers changes only a few
+  MB, which is what a shipped delta holds.
 
 The FFN's output bias (GPT-2 ``c_proj.bias``, BERT ``output.dense.bias``) is added once, outside
 the experts, in both modes.
@@ -62,6 +69,7 @@ __all__ = [
     "MODES",
     "DenseFFN",
     "FamilyRule",
+    "LoRAExperts",
     "MoEEUpcycledConfig",
     "MoEEUpcycledForCausalLM",
     "MoEEUpcycledModel",
@@ -73,7 +81,7 @@ __all__ = [
     "moe_layers",
 ]
 
-MODES = ("split", "copy")
+MODES = ("split", "copy", "lora")
 
 # The router logits of the forward running in this context: a list while a caller asked for
 # ``output_router_logits``, else None (a context variable, so concurrent forwards never mix).
@@ -286,17 +294,19 @@ class UpcycledExperts(nn.Module):
         self.b_in = nn.Parameter(torch.zeros(n_experts, width)) if bias else None
         self.w_out = nn.Parameter(torch.zeros(n_experts, d_hidden, d_model))
 
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on rows ``x [n, d_model]``."""
+    def hidden(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s hidden activation ``[n, d_hidden]`` on rows ``x [n, d_model]``."""
         h = x @ self.w_in[e]
         if self.b_in is not None:
             h = h + self.b_in[e]
         if self.gated:
             a, u = h.chunk(2, dim=-1)
-            h = self.act(a) * u
-        else:
-            h = self.act(h)
-        return h @ self.w_out[e]
+            return self.act(a) * u
+        return self.act(h)
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on rows ``x [n, d_model]``."""
+        return self.hidden(e, x) @ self.w_out[e]
 
     def grouped_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every expert on its contiguous slice of ``x_sorted`` (rows sorted by expert)."""
@@ -340,6 +350,44 @@ class UpcycledExperts(nn.Module):
         return f"n_experts={self.n_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, gated={self.gated}"
 
 
+class LoRAExperts(nn.Module):
+    """``n_experts`` rank-``rank`` adapters of a down projection: expert ``e`` maps the shared FFN's
+    hidden activation ``h [n, d_hidden]`` to ``(h @ lora_a[e]) @ lora_b[e]`` ``[n, d_model]``.
+
+    ``lora_a [E, d_hidden, rank]`` starts random, ``lora_b [E, rank, d_model]`` at zero (LoRA's
+    init: the adapted FFN starts as the dense one). Exposes ``n_experts`` / ``d_model`` (the output
+    width) / ``grouped_forward`` for `moee.moe.layer.dispatch_combine`.
+    """
+
+    def __init__(self, n_experts: int, d_hidden: int, d_model: int, rank: int) -> None:
+        super().__init__()
+        if min(n_experts, d_hidden, d_model, rank) < 1:
+            raise ValueError(
+                f"n_experts, d_hidden, d_model and rank must be >= 1, got {n_experts}, {d_hidden}, {d_model}, {rank}"
+            )
+        self.n_experts, self.d_hidden, self.d_model, self.rank = n_experts, d_hidden, d_model, rank
+        self.lora_a = nn.Parameter(torch.zeros(n_experts, d_hidden, rank))
+        self.lora_b = nn.Parameter(torch.zeros(n_experts, rank, d_model))
+
+    def expert_forward(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Adapter ``e`` on hidden rows ``h [n, d_hidden]``."""
+        return (h @ self.lora_a[e]) @ self.lora_b[e]
+
+    def grouped_forward(self, h_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every adapter on its contiguous slice of ``h_sorted`` (rows sorted by expert)."""
+        pieces = [
+            self.expert_forward(e, chunk)
+            for e, chunk in enumerate(torch.split(h_sorted, counts))
+            if counts[e]
+        ]
+        return torch.cat(pieces) if pieces else h_sorted.new_zeros(0, self.d_model)
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_experts={self.n_experts}, d_hidden={self.d_hidden}, d_model={self.d_model}, rank={self.rank}"
+        )
+
+
 class UpcycledMoEFFN(nn.Module):
     """Drop-in replacement of a dense FFN: ``router`` + routed ``experts`` (+ ``shared``) + output bias.
 
@@ -368,17 +416,28 @@ class UpcycledMoEFFN(nn.Module):
         gate: nn.Module,
         router_type: str,
         dropout: nn.Module | None = None,
+        lora_rank: int = 0,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if (mode == "lora") != (lora_rank > 0) or (mode == "lora" and shared_width != expert_width):
+            raise ValueError(
+                "mode 'lora' needs lora_rank >= 1 and the whole FFN as the shared expert "
+                f"(got rank {lora_rank}, shared width {shared_width}, FFN width {expert_width}); "
+                "other modes take no rank"
+            )
         self.mode = mode
         self.router_type = gate_spec(router_type).name
         self.router = MoEERouter(gate, n_experts, top_k)
         #: routing statistics of the last forward (`moee.moe.layer.routing_stats` + ``loss``), read
         #: by `MoEEUpcycledForCausalLM` into ``moe_aux`` for training loops
         self.last_aux: dict[str, torch.Tensor] | None = None
-        self.experts = UpcycledExperts(n_experts, d_model, expert_width, act, gated=gated, bias=bias_in)
+        self.experts = (
+            LoRAExperts(n_experts, expert_width, d_model, lora_rank)
+            if mode == "lora"
+            else UpcycledExperts(n_experts, d_model, expert_width, act, gated=gated, bias=bias_in)
+        )
         self.shared = (
             UpcycledExperts(1, d_model, shared_width, act, gated=gated, bias=bias_in)
             if shared_width
@@ -388,6 +447,18 @@ class UpcycledMoEFFN(nn.Module):
         self.dropout = dropout
         # copy + shared copy: average the two full FFNs; split: the shared neurons are simply part of the sum
         self.mix = 0.5 if (mode == "copy" and shared_width) else 1.0
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, mask) -> torch.Tensor:
+        """The experts' part of the output (plus the shared expert's), before the output bias."""
+        if self.mode == "lora":  # W_down h + sum_j w_j B_j A_j h, the weights summing to 1
+            h = self.shared.hidden(0, x)
+            return h @ self.shared.w_out[0] + dispatch_combine(h, weights, indices, self.experts, mask)
+        if self.mode == "split":
+            weights = weights - weights.detach() + 1.0  # value exactly 1, gradient of the gate
+        out = self.experts(x, weights, indices, mask)
+        if self.shared is not None:
+            out = out + self.shared.expert_forward(0, x)
+        return out * self.mix if self.mix != 1.0 else out
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -407,13 +478,7 @@ class UpcycledMoEFFN(nn.Module):
         loss = gate_out.aux.get("loss")
         aux["loss"] = loss if loss is not None else x.new_zeros(())
         self.last_aux = aux
-        if self.mode == "split":
-            weights = weights - weights.detach() + 1.0  # value exactly 1, gradient of the gate
-        out = self.experts(x, weights, indices, gate_out.mask)
-        if self.shared is not None:
-            out = out + self.shared.expert_forward(0, x)
-        if self.mix != 1.0:
-            out = out * self.mix
+        out = self._routed(x, weights, indices, gate_out.mask)
         if self.b_out is not None:
             out = out + self.b_out
         if self.dropout is not None:
@@ -427,11 +492,19 @@ class UpcycledMoEFFN(nn.Module):
         groups: list[torch.Tensor],
         shared: torch.Tensor | None,
         router_weight: torch.Tensor,
+        lora_a: torch.Tensor | None = None,
     ) -> None:
         """Fill the experts from ``dense``: expert ``e`` gets neurons ``groups[e]``, the shared expert
         ``shared``; ``router_weight [E, d]`` (a row per expert) starts the gate
-        (`moee.moe.gate_registry.load_router_weight`)."""
-        self.experts.load_neurons(dense, groups)
+        (`moee.moe.gate_registry.load_router_weight`). In ``lora`` mode ``groups`` is unused, the
+        shared expert is the whole FFN, ``lora_a`` starts the adapters' A and B starts at zero."""
+        if self.mode == "lora":
+            if lora_a is None or tuple(lora_a.shape) != tuple(self.experts.lora_a.shape):
+                raise ValueError(f"lora mode needs lora_a of shape {tuple(self.experts.lora_a.shape)}")
+            self.experts.lora_a.copy_(lora_a)
+            self.experts.lora_b.zero_()
+        else:
+            self.experts.load_neurons(dense, groups)
         if (shared is None) != (self.shared is None):
             raise ValueError("shared neurons given for a layer without a shared expert, or missing")
         if self.shared is not None:
@@ -467,6 +540,7 @@ class MoEEUpcycledConfig(PreTrainedConfig, RouterFields):
     num_experts: int = 8
     num_experts_per_tok: int = 2
     upcycle_mode: str = "split"
+    expert_lora_rank: int = 0  # lora mode: the adapters' rank
     expert_intermediate_size: int = 0  # 0: derived from text_config and the mode
     shared_intermediate_size: int = 0
     router_init: str = "random"
@@ -489,7 +563,7 @@ class MoEEUpcycledConfig(PreTrainedConfig, RouterFields):
         family_rule(self.text_config.model_type)
         if not self.expert_intermediate_size:  # derive it: the config alone describes the model
             d_ff = dense_ffn_width(self.text_config)
-            if self.upcycle_mode == "copy":
+            if self.upcycle_mode in ("copy", "lora"):
                 self.expert_intermediate_size = d_ff
             elif (d_ff - self.shared_intermediate_size) % self.num_experts == 0:
                 self.expert_intermediate_size = (d_ff - self.shared_intermediate_size) // self.num_experts
@@ -564,6 +638,7 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
                     dropout=ffn.dropout,
                     gate=build_gate(config),
                     router_type=config.router_type,
+                    lora_rank=config.expert_lora_rank if config.upcycle_mode == "lora" else 0,
                 ),
             )
         self.post_init()

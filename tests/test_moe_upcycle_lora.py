@@ -1,0 +1,248 @@
+"""The ``lora`` upcycling mode (a mixture of low-rank experts on the shared dense FFN) on tiny Llama
+models: it starts as the dense model, computes ``W_down h + sum_j w_j B_j A_j h`` with the
+renormalised top-k weights, its routing matters once the adapters are trained (disabling an expert
+or permuting a router changes the logits and costs loss), it saves and loads, and the trainer's
+``optim.trainable = "routed"`` trains only routers and adapters."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_moe_upcycle import IDS, dense_model
+
+import moee.moe.upcycle as up
+from moee.moe.delta import routed_parameter_ids
+from moee.moe.layer import dispatch_combine
+from moee.moe.trainer import TRAINABLE, load_config
+from moee.moe.upcycled import LoRAExperts, MoEEUpcycledForCausalLM, UpcycledMoEFFN
+
+
+def lora(n_experts=4, top_k=2, rank=3, balance=False, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", up.UpcycleWarning)
+        return up.upcycle(
+            dense_model("llama"),
+            n_experts=n_experts,
+            top_k=top_k,
+            mode="lora",
+            lora_rank=rank,
+            balance_router=balance,
+            **kwargs,
+        )
+
+
+def train_adapters(model, seed=0, scale=0.5):
+    """Give every adapter a non-zero B (as training does), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for ffn in model.moe_ffns():
+            b = ffn.experts.lora_b
+            b.copy_(torch.randn(b.shape, generator=gen) * scale)
+
+
+def logits(model, ids=IDS):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_an_untrained_lora_model_computes_the_dense_model_exactly():
+    dense = dense_model("llama")
+    want = logits(dense)
+    model = lora()
+    assert isinstance(model, MoEEUpcycledForCausalLM)
+    assert model.config.upcycle_mode == "lora" and model.config.expert_lora_rank == 3
+    # B = 0: every adapter adds exactly zero; what is left is float rounding of the fused gate/up
+    assert (logits(model) - want).abs().max() < 1e-5
+    train_adapters(model)
+    assert (logits(model) - want).abs().max() > 1e-2
+
+
+def test_the_lora_ffn_is_the_shared_ffn_plus_the_weighted_adapters_of_the_selected_experts():
+    model = lora()
+    train_adapters(model)
+    ffn = model.moe_ffns()[0]
+    x = torch.randn(7, ffn.experts.d_model, generator=torch.Generator().manual_seed(1))
+    _, weights, indices, _ = ffn.router(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(7))  # renormalised over the top-k
+    h = ffn.shared.hidden(0, x)
+    want = torch.stack(
+        [
+            sum(
+                weights[n, j] * (h[n] @ (ffn.shared.w_out[0] + ffn.experts.lora_a[e] @ ffn.experts.lora_b[e]))
+                for j, e in enumerate(indices[n].tolist())
+            )
+            for n in range(7)
+        ]
+    )
+    assert torch.allclose(ffn(x), want, atol=1e-5)
+
+
+def test_dispatch_combine_maps_the_adapter_input_width_to_the_model_width():
+    experts = LoRAExperts(3, d_hidden=10, d_model=4, rank=2)
+    with torch.no_grad():
+        experts.lora_a.normal_()
+        experts.lora_b.normal_()
+    h = torch.randn(5, 10)
+    indices = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights = torch.full((5, 2), 0.5)
+    out = dispatch_combine(h, weights, indices, experts)
+    assert out.shape == (5, 4)
+    want = torch.stack(
+        [sum(0.5 * experts.expert_forward(e, h[n : n + 1])[0] for e in indices[n].tolist()) for n in range(5)]
+    )
+    assert torch.allclose(out, want, atol=1e-6)
+
+
+def _lm_loss(model, ids=IDS):
+    model.eval()
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).lm_loss)
+
+
+def test_trained_routing_matters_disabling_an_expert_or_permuting_a_router_changes_logits():
+    model = lora(n_experts=4, top_k=2)
+    train_adapters(model)
+    base = logits(model)
+    # disable expert 0 of layer 0: its selection bias so low that the top-k never picks it
+    ffn = model.moe_ffns()[0]
+    picked = ffn.router(torch.randn(64, ffn.experts.d_model))[2]
+    assert picked.unique().numel() > 2  # top-2 of 4 is a real choice, not all experts
+    with torch.no_grad():
+        ffn.router.gate.bias[0] = -1e4
+    off = logits(model)
+    assert not torch.allclose(off, base)
+    with torch.no_grad():
+        ffn.router.gate.bias[0] = 0.0
+        perm = torch.tensor([2, 3, 0, 1])
+        ffn.router.gate.w_gate.weight.copy_(ffn.router.gate.w_gate.weight[perm].clone())
+    assert not torch.allclose(logits(model), base)
+
+
+def test_a_lora_model_saves_and_loads_to_the_same_logits(tmp_path):
+    model = lora()
+    train_adapters(model)
+    want = logits(model)
+    up.save_upcycled(model, tmp_path / "m")
+    loaded = MoEEUpcycledForCausalLM.from_pretrained(tmp_path / "m")
+    assert loaded.config.upcycle_mode == "lora"
+    assert torch.equal(logits(loaded), want)
+
+
+def test_lora_refusals_name_the_argument():
+    with pytest.raises(ValueError, match="lora_rank must be a positive int"):
+        up.upcycle(dense_model("llama"), n_experts=4, top_k=2, mode="lora", lora_rank=0)
+    with pytest.raises(ValueError, match="mode 'lora' needs lora_rank >= 1"):
+        UpcycledMoEFFN(
+            d_model=4,
+            n_experts=2,
+            top_k=1,
+            expert_width=8,
+            shared_width=0,
+            mode="lora",
+            act=torch.nn.SiLU(),
+            gated=True,
+            bias_in=False,
+            bias_out=False,
+            gate=torch.nn.Linear(4, 2),
+            router_type="top_k",
+            lora_rank=2,
+        )
+
+
+def test_the_lora_router_starts_from_the_neuron_cluster_centroids_and_is_balanced():
+    model = lora(balance=False)
+    assert model.config.router_init == "centroid"
+    balanced = lora(balance=True)
+    report = balanced.router_load_report
+    assert len(report) == len(balanced.moe_ffns())
+    assert all(r["dead"] == 0 for r in report)
+
+
+def test_routed_training_freezes_everything_but_routers_and_adapters():
+    model = lora()
+    keep = routed_parameter_ids(model)
+    names = {n for n, p in model.named_parameters() if id(p) in keep}
+    assert names and all(".router." in n or ".experts.lora_" in n for n in names)
+    layers = len(model.moe_ffns())
+    assert sum(".experts.lora_a" in n for n in names) == layers
+    assert sum(".router." in n for n in names) >= layers
+    assert not any("shared" in n or "embed" in n or "self_attn" in n for n in names)
+    assert TRAINABLE == ("all", "routed")
+    base = {"data": {"train": "t.jsonl", "tokenizer": "tok"}, "init": {"from": "m"}}
+    assert load_config({**base, "optim": {"trainable": "routed"}})["optim"]["trainable"] == "routed"
+    assert load_config(base)["optim"]["trainable"] == "all"
+    with pytest.raises(ValueError, match="optim.trainable must be one of"):
+        load_config({**base, "optim": {"trainable": "experts"}})
+
+
+# ---------------------------------------------------------------- shipped as a delta over the base
+
+
+@pytest.fixture
+def base_and_delta(tmp_path):
+    """A tiny dense Llama saved as the base, and a trained lora model of it saved as a delta."""
+    from moee.models.smollm2 import file_sha256
+    from moee.moe.delta import save_delta
+
+    base = tmp_path / "base"
+    dense_model("llama").save_pretrained(base)
+    from moee.capture.tiny import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", up.UpcycleWarning)
+        model = up.upcycle(str(base), n_experts=4, top_k=2, mode="lora", lora_rank=3, balance_router=False)
+    train_adapters(model)
+    with torch.no_grad():
+        for ffn in model.moe_ffns():
+            ffn.router.gate.bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+    delta = save_delta(
+        model,
+        tmp_path / "delta",
+        {"source": "tiny", "weights_sha256": file_sha256(base / "model.safetensors")},
+    )
+    (delta / "moee_embedding.json").write_text('{"pooling": "mean"}\n')
+    return base, delta, model
+
+
+def test_a_delta_assembles_bit_exactly_into_the_trained_model(base_and_delta, tmp_path):
+    from moee.models.smollm2 import file_sha256
+    from moee.moe.delta import DELTA_FILE, assemble
+
+    base, delta, model = base_and_delta
+    size = (delta / DELTA_FILE).stat().st_size
+    dense_size = (base / "model.safetensors").stat().st_size
+    assert size < dense_size  # only routers and adapters
+    out = assemble(delta, base, tmp_path / "a")
+    loaded = MoEEUpcycledForCausalLM.from_pretrained(out)
+    assert torch.equal(logits(loaded), logits(model))
+    assert (out / "moee_embedding.json").read_text() == '{"pooling": "mean"}\n'
+    assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
+    again = assemble(delta, base, tmp_path / "b")
+    assert file_sha256(again / "model.safetensors") == file_sha256(out / "model.safetensors")
+    assert assemble(delta, base, out) == out  # cached: reused while its digest holds
+
+
+def test_a_changed_delta_or_another_base_is_refused(base_and_delta, tmp_path):
+    import json
+
+    from moee.moe.delta import DELTA_FILE, MANIFEST_FILE, assemble
+
+    base, delta, _ = base_and_delta
+    other = tmp_path / "other"
+    dense_model("llama", seed=5).save_pretrained(other)
+    with pytest.raises(ValueError, match="fits base weights"):
+        assemble(delta, other, tmp_path / "x")
+    manifest = json.loads((delta / MANIFEST_FILE).read_text())
+    manifest["model_sha256"] = "0" * 64
+    (delta / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="not bit-exact"):
+        assemble(delta, base, tmp_path / "y")
+    data = bytearray((delta / DELTA_FILE).read_bytes())
+    data[-1] ^= 1
+    (delta / DELTA_FILE).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="the delta changed after it was written"):
+        assemble(delta, base, tmp_path / "z")
