@@ -150,7 +150,7 @@ def _write_inputs(folder, texts, ids):
         with open(folder / name, "w") as f:
             for i in range(lo, hi):
                 f.write(json.dumps({"id": ids[i], "text": texts[i], "n": i}) + "\n")
-    table = pa.table({"id": ids[cut2:], "text": texts[cut2:]})
+    table = pa.table({"id": ids[cut2:], "text": texts[cut2:], "n": pa.array(range(cut2, N), pa.int32())})
     pq.write_table(table, folder / "c.parquet", row_group_size=40)
 
 
@@ -169,8 +169,12 @@ def test_cli_engine_ray_writes_parquet_in_input_order_and_search_reads_it(
     assert main(argv) == 0
     arr, meta = read_embeddings(out)
     np.testing.assert_allclose(arr, single["moee_concat"], atol=1e-6)
-    table = read_embeddings_table(out, ["id", "text"])
+    table = read_embeddings_table(out, ["id", "text", "n"])
     assert table.column("id").to_pylist() == ids and table.column("text").to_pylist() == texts
+    # the Parquet input's other column is carried (its type kept); JSON fields are not
+    assert table.column("n").to_pylist() == [None] * 170 + list(range(170, N))
+    assert table.schema.field("n").type == pa.int32()
+    assert meta["columns"] == ["row", "id", "text", "n", "embedding"]
     assert meta["engine"] == "ray" and meta["prompt"] == "prompteol" and meta["shape"] == [N, 80]
     assert meta["weights_digest"] == MoEEmbedder.from_pretrained(tiny_model_dir).weights_digest
     assert len(meta["input"]) == 3 and "versions" in meta
@@ -194,3 +198,113 @@ def test_cli_engine_ray_names_a_bad_row(cluster, tiny_model_dir, tmp_path, capsy
     assert main([*argv, "--device", "cpu"]) == 2
     assert "b.parquet: no column 'text' (columns: body)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_input_files_whose_ids_differ_in_type_are_named_before_ray_starts(tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"id": 1, "text": "one"}\n{"id": 2, "text": "two"}\n')
+    pq.write_table(pa.table({"id": ["x", "y"], "text": ["three", "four"]}), folder / "b.parquet")
+    argv = ["embed", "--engine", "ray", str(folder), "--out", str(tmp_path / "o"), "--model", "unused"]
+    assert main([*argv, "--id-field", "id", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moee embed: error: ") and len(err.splitlines()) == 1, err[-3000:]
+    assert f"{folder / 'b.parquet'}: the --id-field column 'id' differs in type" in err
+    assert "holds string ids" in err and "holds int64 ids (first: 1)" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_input_schema_fixes_one_type_per_column_before_ray_starts(tmp_path):
+    from moee.integrations.ray import _read_parts, input_schema
+
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pq.write_table(
+        pa.table({"id": pa.array([1], pa.int32()), "text": ["x"], "score": pa.array([1], pa.int32())}), a
+    )
+    pq.write_table(pa.table({"id": [2], "text": ["y"], "score": [0.5], "row": [9], "lang": ["en"]}), b)
+    schema = input_schema([a, b], "text", "id")
+    # ids of any integer width are int64; a column's types are unified; an input "row" gives way
+    assert schema == pa.schema(
+        [
+            ("row", pa.int64()),
+            ("id", pa.int64()),
+            ("text", pa.string()),
+            ("score", pa.float64()),
+            ("lang", pa.string()),
+        ]
+    )
+    c = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": [3], "text": ["z"], "score": ["high"]}), c)
+    with pytest.warns(UserWarning, match=r"input column 'score' is not carried .*c\.parquet: string"):
+        assert "score" not in input_schema([a, b, c], "text", "id").names
+    txt = tmp_path / "d.txt"
+    txt.write_text("a line\n")
+    with pytest.raises(ValueError, match=r"d\.txt: --id-field applies to \.jsonl and \.parquet inputs"):
+        input_schema([a, txt], "text", "id")
+    # a later JSONL row whose id has another type is named as it is read
+    lines = tmp_path / "e.jsonl"
+    lines.write_text('{"id": 1, "text": "p"}\n{"id": "2", "text": "q"}\n')
+    schema = input_schema([lines], "text", "id")
+    batch = {"path": [str(lines)], "fmt": ["jsonl"], "start": [0], "stop": [lines.stat().st_size]}
+    with pytest.raises(
+        TypeError, match=r"e\.jsonl@byte 23 \(input row 1\): the --id-field column 'id' holds '2'"
+    ):
+        _read_parts({**batch, "first_row": [-1], "row": [0]}, "text", "id", schema)
+
+
+def test_cli_engine_ray_names_an_empty_input_not_its_staging_folder(
+    cluster, tiny_model_dir, tmp_path, capsys
+):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "o"
+    assert main(["embed", "--engine", "ray", str(empty), "--out", str(out), "--model", tiny_model_dir]) == 2
+    err = capsys.readouterr().err
+    assert f"moee embed: error: {empty} is empty: no texts to read" in err and ".tmp-" not in err, err[-2000:]
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["empty.jsonl"]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_leaves_no_ray_process_behind():
+    """kill -9 of a driver that started a local cluster (moee.integrations.ray.start_ray): every
+    process of the cluster (Ray's agents above all, which otherwise wait a minute on the dead GCS)
+    and the watchdog are gone within 10 s."""
+    import select
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    script = (
+        "import time, ray\n"
+        "from moee.integrations.ray import start_ray\n"
+        "start_ray()\n"
+        "ray.get(ray.remote(num_cpus=0)(lambda: 1).remote())\n"  # a worker process too
+        "print('ready', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}  # its own cluster
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+    )
+    tree = []
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and select.select([driver.stdout], [], [], 1)[0] == []:
+            pass
+        assert driver.stdout.readline().strip() == "ready", "the driver did not start its cluster in time"
+        time.sleep(1)  # the agents started with the raylet
+        tree = psutil.Process(driver.pid).children(recursive=True)
+        names = {p.name() for p in tree}
+        assert len(tree) >= 5 and any("raylet" in n for n in names), names
+        driver.kill()
+        driver.wait(10)
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, [f"{p.pid} {p.cmdline()[:1]}" for p in alive]
+    finally:
+        driver.kill()
+        for process in tree:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass

@@ -23,26 +23,39 @@ saved configuration > library default). ``features=True`` also adds the HS and R
 :func:`embed_files` is ``moee embed --engine ray``: input files cut into shares
 (:func:`moee.io.split_input`: byte ranges aligned to line starts, Parquet row groups), read by Ray
 tasks, embedded by the actor pool, written as Parquet files (``row``: the input row index, the
-``--id-field`` column, ``text``, ``embedding``) plus the sidecar ``_embeddings.json``
+``--id-field`` column, ``text``, the Parquet inputs' other columns, ``embedding``: one type per
+column, fixed before Ray starts by :func:`input_schema`) plus the sidecar ``_embeddings.json``
 (:func:`moee.io.write_parquet_sidecar`), in a staging folder renamed into place when complete.
 Rows keep their input order (Ray Data's ``preserve_order``), and readers sort by ``row``.
 A failed actor is restarted and its batch retried by Ray (``max_restarts`` / ``max_task_retries``),
-so rows are neither lost nor duplicated; a failed job is rerun from the start.
+so rows are neither lost nor duplicated; a failed job is rerun from the start. A local cluster
+the driver starts (:func:`start_ray`) ends with it, even when the driver is killed.
 """
 
 from __future__ import annotations
 
 import glob
 import math
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moee.io import InputPart, check_text_value, input_format, read_part_records, split_input
+from moee.io import (
+    EMBEDDING_COLUMN,
+    ROW_COLUMN,
+    TEXT_COLUMN,
+    InputPart,
+    check_text_value,
+    input_format,
+    read_part_records,
+    split_input,
+)
 
-__all__ = ["MoEEmbedBatches", "embed_files", "input_files", "model_facts"]
+__all__ = ["MoEEmbedBatches", "embed_files", "input_files", "input_schema", "model_facts", "start_ray"]
 
 #: Bytes of a text input each read task takes (Parquet: a row group is the smallest share).
 PART_BYTES = 64 << 20
@@ -158,12 +171,19 @@ def _column(batch: Any, name: str) -> list[Any]:
 
 def model_facts(model: str | None, load: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """What a sidecar records about the model, from one load where the actors run: its resolved
-    path, weights digest and the vectors' width (also refuses a configuration it cannot embed)."""
+    path, weights digest, the vectors' width and, loaded in 4 bit, how much of it is
+    (``quantization``; also refuses a configuration it cannot embed)."""
     from moee.commands.embed import _run_facts
+    from moee.provenance import quantization_record
 
     embedder = MoEEmbedBatches(model, load=load, **config).embedder
     resolved = embedder.resolve_config(**config)
-    return {**_run_facts(embedder, 0), "dim": embedder.config_dim(resolved)}
+    quantized = quantization_record()
+    return {
+        **_run_facts(embedder, 0),
+        "dim": embedder.config_dim(resolved),
+        **({"quantization": quantized} if quantized else {}),
+    }
 
 
 def input_files(spec: str | Path) -> list[Path]:
@@ -189,8 +209,9 @@ def _count_lines(part: InputPart) -> int:
 
 
 def plan_parts(files: list[Path], part_bytes: int = PART_BYTES) -> list[dict[str, Any]]:
-    """The read tasks: every file's shares with the input row index of their first row (line
-    counts of the text shares are taken by parallel Ray tasks, the only pass before embedding)."""
+    """The read tasks: every file's shares with the input row index of their first row and their
+    number of rows (line counts of the text shares are taken by parallel Ray tasks, the only pass
+    before embedding)."""
     import ray
 
     parts = [
@@ -213,17 +234,28 @@ def plan_parts(files: list[Path], part_bytes: int = PART_BYTES) -> list[dict[str
             rows = counted[i]
         first = -1 if part.first_row is None else part.first_row  # -1: lines (one column type)
         plan.append(
-            dict(path=part.path, fmt=part.fmt, start=part.start, stop=part.stop, first_row=first, row=row)
+            dict(
+                path=part.path,
+                fmt=part.fmt,
+                start=part.start,
+                stop=part.stop,
+                first_row=first,
+                row=row,
+                rows=rows,
+            )
         )
         row += rows
     return plan
 
 
-def _read_parts(batch: dict[str, Any], field: str, id_field: str | None) -> Any:
-    """The rows of the planned shares in ``batch``: ``row``, the id column, ``text``."""
+def _read_parts(batch: dict[str, Any], field: str, id_field: str | None, schema: Any) -> Any:
+    """The rows of the planned shares in ``batch`` as a table of ``schema`` (:func:`input_schema`):
+    ``row``, the id column, ``text``, the carried columns (null where a file lacks one)."""
     import pyarrow as pa
 
-    rows, ids, texts = [], [], []
+    id_type = schema.field(id_field).type if id_field else None
+    values: dict[str, list[Any]] = {name: [] for name in schema.names}
+    carried = [name for name in schema.names if name not in (ROW_COLUMN, TEXT_COLUMN, id_field)]
     for i in range(len(batch["path"])):
         first = batch["first_row"][i]
         part = InputPart(
@@ -234,42 +266,216 @@ def _read_parts(batch: dict[str, Any], field: str, id_field: str | None) -> Any:
             None if int(first) < 0 else int(first),
         )
         row = int(batch["row"][i])
-        columns = [field] + ([id_field] if id_field else [])
-        for where, record in read_part_records(part, columns):
+        own = [field, *([id_field] if id_field else [])]
+        for where, record in read_part_records(part, own + (carried if part.fmt == "parquet" else [])):
             where = f"{where} (input row {row})"
             if part.fmt == "jsonl" and field not in record:
                 keys = ", ".join(map(repr, record)) or "none"
                 raise ValueError(f"{where}: no field {field!r} (keys: {keys}); choose one with --field")
-            texts.append(check_text_value(record.get(field), field, where))
+            values[TEXT_COLUMN].append(check_text_value(record.get(field), field, where))
             if id_field:
-                if record.get(id_field) is None:
+                value = record.get(id_field)
+                if value is None:
                     raise ValueError(f"{where}: no value in the --id-field column {id_field!r}")
-                ids.append(record[id_field])
-            rows.append(row)
+                if part.fmt != "parquet" and _value_type(value, where) != id_type:  # a footer types Parquet's
+                    raise TypeError(
+                        f"{where}: the --id-field column {id_field!r} holds {value!r} "
+                        f"({_value_type(value, where)}), the input's ids are {id_type}; give every row "
+                        "an id of one type"
+                    )
+                values[id_field].append(value)
+            for name in carried:  # Parquet's columns only: a JSON field has no fixed type
+                values[name].append(record.get(name) if part.fmt == "parquet" else None)
+            values[ROW_COLUMN].append(row)
             row += 1
-    columns = {"row": pa.array(rows, pa.int64())}
-    if id_field:
-        columns[id_field] = pa.array(ids)
-    columns["text"] = pa.array(texts, pa.string())
-    return pa.table(columns)
+    return pa.Table.from_pydict(values, schema=schema)
 
 
-def check_input_columns(files: list[Path], field: str, id_field: str | None) -> None:
-    """Refuse, before Ray starts any work, a Parquet input without the columns or with a
-    non-string text column (its footer only; text rows are checked as they are read)."""
+def _normal_type(kind: Any) -> Any:
+    """The type a column's Python values rebuild into (:func:`_read_parts` rebuilds ids from them):
+    integers of any width as int64, floats as float64, large and dictionary strings as string."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if pa.types.is_integer(kind):
+        return pa.int64()
+    if pa.types.is_floating(kind):
+        return pa.float64()
+    return pa.string() if pa.types.is_large_string(kind) else kind
+
+
+def _value_type(value: Any, where: str) -> Any:
+    """The (normal) Arrow type of one JSON value, e.g. an id; one Arrow cannot hold is named."""
+    import pyarrow as pa
+
+    try:
+        return _normal_type(pa.scalar(value).type)
+    except (pa.ArrowException, OverflowError, ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: cannot store {value!r} in a Parquet column ({exc})") from None
+
+
+def _first_record(path: Path, columns: list[str]) -> tuple[str, dict[str, Any]] | None:
+    """The first row of a text input (``None`` when it has none), read without the rest."""
+    rows = read_part_records(split_input(path, 1)[0], columns)
+    try:
+        return next(rows, None)
+    finally:
+        rows.close()
+
+
+def _ids_of(kind: Any, path: Path, first: Any) -> str:
+    return f"{path} holds {kind} ids" + ("" if first is None else f" (first: {first!r})")
+
+
+def input_schema(files: list[Path], field: str, id_field: str | None) -> Any:
+    """The output's columns besides the embedding, one type each, fixed before Ray starts so every
+    block of the output agrees: ``row``, the ``--id-field`` column, ``text``, then every other
+    column of the Parquet inputs (JSON has no schema: a field's type can change from row to row,
+    so .jsonl fields beyond these are not carried; an input column named ``row``, ``text`` or
+    ``embedding`` gives way to the output's own).
+
+    Refused here, naming the file and the column: a Parquet input without the text or id column,
+    a non-string text column, ``--id-field`` with .txt inputs, and files whose ids differ in type
+    (from the Parquet footers and each text file's first row; a later row of another type is
+    named as it is read). A carried column whose types in two files cannot be unified is left out,
+    with a warning."""
+    import warnings
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    id_type: tuple[Any, Path, Any] | None = None  # (type, file, first id or None for a footer)
+    carried: dict[str, list[tuple[Any, Path]]] = {}
     for f in files:
-        if input_format(f) != "parquet":
+        fmt = input_format(f)
+        if fmt == "parquet":
+            schema = pq.ParquetFile(f).schema_arrow
+            for name in [field] + ([id_field] if id_field else []):
+                if name not in schema.names:
+                    raise ValueError(f"{f}: no column {name!r} (columns: {', '.join(schema.names)})")
+            kind = schema.field(field).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise TypeError(f"{f}: column {field!r} must hold strings, it has type {kind}")
+            for column in schema:
+                if column.name not in (field, id_field, ROW_COLUMN, TEXT_COLUMN, EMBEDDING_COLUMN):
+                    carried.setdefault(column.name, []).append((column.type, f))
+            if not id_field:
+                continue
+            found = (_normal_type(schema.field(id_field).type), f, None)
+        elif not id_field:
             continue
-        schema = pq.ParquetFile(f).schema_arrow
-        for name in [field] + ([id_field] if id_field else []):
-            if name not in schema.names:
-                raise ValueError(f"{f}: no column {name!r} (columns: {', '.join(schema.names)})")
-        kind = schema.field(field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise TypeError(f"{f}: column {field!r} must hold strings, it has type {kind}")
+        elif fmt == "txt":
+            raise ValueError(
+                f"{f}: --id-field applies to .jsonl and .parquet inputs; a .txt line has no id "
+                "(the output's row column is its line's index)"
+            )
+        else:
+            first = _first_record(f, [id_field])
+            if first is None:
+                continue  # an empty file: no ids
+            where, record = first
+            if record.get(id_field) is None:
+                raise ValueError(f"{where}: no value in the --id-field column {id_field!r}")
+            found = (_value_type(record[id_field], where), f, record[id_field])
+        if id_type is None:
+            id_type = found
+        elif found[0] != id_type[0]:
+            raise TypeError(
+                f"{found[1]}: the --id-field column {id_field!r} differs in type between the input "
+                f"files: {_ids_of(*found)}, {_ids_of(*id_type)}; give every file ids of one type"
+            )
+    fields = [pa.field(ROW_COLUMN, pa.int64())]
+    if id_field:
+        fields.append(pa.field(id_field, id_type[0] if id_type else pa.string()))
+    fields.append(pa.field(TEXT_COLUMN, pa.string()))
+    for name, kinds in carried.items():
+        try:
+            fields.append(
+                pa.unify_schemas(
+                    [pa.schema([(name, k)]) for k, _ in kinds], promote_options="permissive"
+                ).field(name)
+            )
+        except (pa.ArrowTypeError, pa.ArrowInvalid):
+            seen = "; ".join(f"{path}: {kind}" for kind, path in kinds)
+            warnings.warn(
+                f"input column {name!r} is not carried into the output: its types differ between the "
+                f"files ({seen})",
+                stacklevel=2,
+            )
+    return pa.schema(fields)
+
+
+def start_ray(address: str | None = None) -> None:
+    """Join the cluster at ``address`` (``None``: ``RAY_ADDRESS`` or a running local one), unless
+    this process already did; with no cluster to join, start a local one that ends with this
+    process.
+
+    Ray ties the head processes it starts to the driver (the kernel kills them with it), but its
+    agents then wait a minute on the dead GCS before they exit; so a cluster started here gets a
+    watchdog process (:func:`watch_cluster`) that kills all of it as soon as the driver is gone,
+    even by SIGKILL."""
+    import subprocess
+    import sys
+
+    import psutil
+    import ray
+
+    if ray.is_initialized():
+        return
+    me = psutil.Process()
+    before = {child.pid for child in me.children()}
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    started = [child.pid for child in me.children() if child.pid not in before]
+    if not started:  # joined a cluster that lives on its own
+        return
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+        f"from moee.integrations.ray import watch_cluster; watch_cluster({os.getpid()}, {started!r})"
+    )
+    subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in the terminal is the driver's to handle
+    )
+
+
+def _alive(process: Any) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def watch_cluster(driver: int, roots: list[int], poll: float = 0.5) -> None:
+    """The watchdog of a local cluster, run in a process of its own by :func:`start_ray`: follow
+    ``roots`` (the processes ``ray.init`` started) and every process they start while ``driver``,
+    the watchdog's parent, lives; once the driver is gone, kill every one still running. Ends by
+    itself when the cluster shuts down first."""
+    import psutil
+
+    tracked: set[Any] = set()  # psutil processes (pid and start time: a reused pid is not taken)
+    while os.getppid() == driver:
+        for pid in roots:
+            try:
+                root = psutil.Process(pid)
+                tracked.update([root, *root.children(recursive=True)])
+            except psutil.Error:
+                continue
+        if tracked and not any(_alive(p) for p in tracked):
+            return
+        time.sleep(poll)
+    left = [p for p in tracked if _alive(p)]
+    for process in left:
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(left, timeout=5)
 
 
 def embed_files(
@@ -300,10 +506,17 @@ def embed_files(
     files = input_files(spec)
     if any(input_format(f) == "txt" for f in files) and field != "text":
         raise ValueError("--field applies to .jsonl and .parquet inputs, not .txt")
-    check_input_columns(files, field, id_field)
+    schema = input_schema(files, field, id_field)
     out_dir = check_output_folder(out_dir, overwrite=overwrite)
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    start_ray(address)
+    plan = plan_parts(files, part_bytes or PART_BYTES)
+    if not sum(p["rows"] for p in plan):  # named here: the staging folder would be named later
+        raise ValueError(
+            f"{files[0]} is empty: no texts to read"
+            if len(files) == 1
+            else f"input {spec}: every file is empty ({', '.join(map(str, files[:3]))}"
+            f"{', ...' if len(files) > 3 else ''}): no texts to read"
+        )
     gpus = num_gpus if num_gpus is not None else (1.0 if ray.cluster_resources().get("GPU") else 0.0)
     remote = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
     facts = ray.get(ray.remote(**remote)(model_facts).remote(model, load, config))
@@ -311,12 +524,14 @@ def embed_files(
     from ray.data import DataContext
 
     DataContext.get_current().execution_options.preserve_order = True  # rows stay in input order
-    plan = plan_parts(files, part_bytes or PART_BYTES)
     ds = ray.data.from_items(plan, override_num_blocks=max(1, len(plan)))
     # reading is I/O next to the model forward: no CPU reserved, so actors holding every CPU
     # (a CPU-only cluster) never starve the reads that feed them
     ds = ds.map_batches(
-        _read_parts, batch_size=1, fn_kwargs={"field": field, "id_field": id_field}, num_cpus=0
+        _read_parts,
+        batch_size=1,
+        fn_kwargs={"field": field, "id_field": id_field, "schema": schema},
+        num_cpus=0,
     )
     ds = ds.map_batches(
         MoEEmbedBatches,
@@ -340,6 +555,7 @@ def embed_files(
         "input": [str(f.resolve()) for f in files],
         "field": field,
         "id_field": id_field,
+        "columns": [*schema.names, EMBEDDING_COLUMN],
         "engine": "ray",
         **run_metadata(),
     }
