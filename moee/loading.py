@@ -47,6 +47,7 @@ __all__ = [
     "input_device",
     "load_causal_lm",
     "load_model",
+    "quantization_summary",
     "split_revision",
     "tokenizer_source",
 ]
@@ -79,7 +80,8 @@ class LoadOptions:
     load_in_4bit: bool = field(
         default=False,
         metadata={
-            "help": "4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'; needs a GPU), as in the paper"
+            "help": "4-bit NF4 weights via bitsandbytes (pip install 'moee[quant]'): its nn.Linear layers "
+            "only; fused 3-D expert weights stay in 16 bit (the log and every output say the share in 4 bit)"
         },
     )
     trust_remote_code: bool = field(
@@ -153,7 +155,9 @@ def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True
 
 
 def four_bit_config() -> Any:
-    """NF4 with double quantisation and bf16 compute (the official code's setting)."""
+    """NF4 with double quantisation and bf16 compute (the official code's setting). bitsandbytes
+    replaces ``nn.Linear`` layers only: a model whose experts are fused 3-D tensors (transformers 5
+    MoE models) keeps them in 16 bit, which :func:`quantization_summary` measures."""
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -166,6 +170,62 @@ def four_bit_config() -> Any:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def quantization_summary(model: nn.Module) -> dict[str, Any]:
+    """What a 4-bit load left in 4 bit: the parameters bitsandbytes holds in 4 bit (``Params4bit``,
+    counted at their original size) against all of them, and the expert weights that kept their
+    dtype (bitsandbytes replaces ``nn.Linear`` layers only; fused 3-D experts are not)."""
+    import math
+
+    try:
+        from bitsandbytes.nn import Params4bit
+    except ImportError:  # nothing can be in 4 bit
+        Params4bit = ()  # noqa: N806
+    total = four = experts = 0
+    dtypes: set[str] = set()
+    for name, param in model.named_parameters():
+        if isinstance(param, Params4bit):
+            shape = getattr(getattr(param, "quant_state", None), "shape", None)
+            count = math.prod(shape) if shape is not None else 2 * param.numel()  # two per byte
+            four += count
+        else:
+            count = param.numel()
+            if "expert" in name.lower():
+                experts += count
+                dtypes.add(str(param.dtype).removeprefix("torch."))
+        total += count
+    return {
+        "quantizer": "bitsandbytes-nf4",
+        "params_total": total,
+        "params_4bit": four,
+        "share_4bit": round(four / total, 4) if total else 0.0,
+        "expert_params_not_4bit": experts,
+        "expert_dtype": ",".join(sorted(dtypes)) or None,
+    }
+
+
+def _report_quantization(name: str, model: nn.Module) -> None:
+    """Say how much of ``model`` is in 4 bit (a warning when expert weights are not) and record it
+    for every result this process writes (:func:`moee.provenance.note_quantization`)."""
+    import logging
+    import warnings
+
+    from moee.provenance import note_quantization
+
+    summary = quantization_summary(model)
+    note_quantization(name, summary)
+    total, experts = summary["params_total"], summary["expert_params_not_4bit"]
+    message = f"--load-in-4bit: {summary['share_4bit']:.1%} of {name}'s {total:,} parameters are in 4 bit"
+    if not experts:
+        logging.getLogger(__name__).info(message)
+        return
+    warnings.warn(
+        f"{message}; expert weights ({experts:,} params, {experts / total:.1%}) stay in "
+        f"{summary['expert_dtype']}: bitsandbytes quantizes nn.Linear layers only, and this "
+        "model's experts are fused 3-D weights",
+        stacklevel=3,
     )
 
 
@@ -407,6 +467,8 @@ def load_model(
             else f"it could not be loaded from the Hugging Face Hub ({str(exc).splitlines()[0]})"
         )
         raise FileNotFoundError(_not_found_on_hub(name, why)) from exc
+    if options.load_in_4bit:
+        _report_quantization(name, model)
     if "device_map" not in hf_kwargs and options.device_map is None:
         model.to(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not tokenizer:

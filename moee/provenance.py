@@ -35,6 +35,8 @@ __all__ = [
     "machine_info",
     "file_sha256",
     "run_record",
+    "note_quantization",
+    "quantization_record",
 ]
 
 #: The libraries that determine the numbers of any run.
@@ -181,6 +183,23 @@ def file_sha256(path: str | Path, *, offset: int = 0) -> str:
     return digest.hexdigest()
 
 
+#: The 4-bit loads of this process: model label -> what was quantized
+#: (:func:`moee.loading.quantization_summary`); every later run record carries them.
+_QUANTIZED: dict[str, dict[str, Any]] = {}
+
+
+def note_quantization(model: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Record that ``model`` was loaded in 4 bit as ``summary`` says: every :func:`run_record`
+    this process makes afterwards carries it (``quantization``), so a result says how much of its
+    model ran in 4 bit, not only that 4 bit was asked for."""
+    _QUANTIZED[model_label(model)] = dict(summary)
+
+
+def quantization_record() -> dict[str, dict[str, Any]]:
+    """The 4-bit loads of this process (:func:`note_quantization`), by model label."""
+    return {name: dict(summary) for name, summary in _QUANTIZED.items()}
+
+
 def run_record(
     command: str | Sequence[str] | None = None,
     *,
@@ -190,14 +209,17 @@ def run_record(
     missing: str | None = None,
     omit_missing: Sequence[str] = ALTERNATIVE_PACKAGES,
 ) -> dict[str, Any]:
-    """``versions``, ``command``, ``timestamp`` (UTC), ``git_revision`` and, with ``machine=True``
-    (benchmarks, where the figures depend on it), ``machine``; then ``extra``."""
+    """``versions``, ``command``, ``timestamp`` (UTC), ``git_revision``, ``quantization`` after a
+    4-bit load (:func:`note_quantization`) and, with ``machine=True`` (benchmarks, where the figures
+    depend on it), ``machine``; then ``extra``."""
     record: dict[str, Any] = {
         "versions": package_versions(packages, missing=missing, omit_missing=omit_missing),
         "command": command_string(command),
         "timestamp": utc_timestamp(),
         "git_revision": git_revision(),
     }
+    if _QUANTIZED:
+        record["quantization"] = quantization_record()
     if machine:
         record["machine"] = machine_info()
     return {**record, **(extra or {})}

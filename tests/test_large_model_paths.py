@@ -141,10 +141,13 @@ def test_input_device_of_a_module_without_parameters():
 _HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 
-@pytest.mark.skipif(_HAS_BNB, reason="bitsandbytes is installed; the missing-extra error cannot be shown")
-def test_four_bit_without_bitsandbytes_names_the_extra():
+def test_four_bit_without_bitsandbytes_names_the_extra(monkeypatch):
     from moee.loading import four_bit_config
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
     with pytest.raises(ValueError, match=r"bitsandbytes.*moee\[quant\]"):
         four_bit_config()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 
 import numpy as np
 import pytest
@@ -128,3 +130,66 @@ def test_a_missing_local_model_path_is_named_before_transformers_misreads_it(tmp
     check_model_source(tmp_path)  # an existing directory passes
     check_model_source("org/name")  # and so do Hub ids (resolved by transformers)
     check_model_source("name")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed (moee[quant])"
+)
+def test_four_bit_loading_says_and_records_how_much_is_in_four_bit(tiny_model_dir, tmp_path, monkeypatch):
+    """bitsandbytes (on the CPU) quantizes nn.Linear layers only: the tiny OLMoE's attention goes to
+    4 bit, its fused 3-D experts do not. The warning and every output's provenance give the counts
+    (checked against the model's own shapes), for moee embed and for the Ray engine's model facts."""
+    from moee import provenance
+    from moee.capture.tiny import tiny_model
+    from moee.integrations.ray import model_facts
+    from moee.io import read_embeddings
+
+    monkeypatch.setattr(provenance, "_QUANTIZED", {})  # this test's loads only, forgotten after it
+    shapes = dict(tiny_model("olmoe", n_layers=2).named_parameters())
+    total = sum(p.numel() for p in shapes.values())
+    linear = sum(
+        p.numel()
+        for n, p in shapes.items()
+        if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+    )
+    experts = sum(p.numel() for n, p in shapes.items() if ".experts." in n)
+    assert experts > linear > 0  # most of an MoE's weights are its experts
+    expected = {
+        "quantizer": "bitsandbytes-nf4",
+        "params_total": total,
+        "params_4bit": linear,
+        "share_4bit": round(linear / total, 4),
+        "expert_params_not_4bit": experts,
+        "expert_dtype": "float32",
+    }
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a cat sat\na dog ran\n", encoding="utf-8")
+    out = tmp_path / "e.npy"
+    argv = [
+        "embed",
+        str(corpus),
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--load-in-4bit",
+    ]
+    share = f"{linear / total:.1%} of {tiny_model_dir}'s {total:,} parameters are in 4 bit"
+    stay = rf"expert weights \({experts:,} params, {experts / total:.1%}\) stay in float32: bitsandbytes quantizes nn.Linear layers only"
+    with pytest.warns(UserWarning, match=re.escape(share) + ".*" + stay):
+        assert main(argv) == 0
+    vectors, meta = read_embeddings(out)
+    assert np.isfinite(vectors).all()
+    assert meta["load_in_4bit"] is True and meta["quantization"] == {tiny_model_dir: expected}
+    with pytest.warns(UserWarning, match=stay):
+        facts = model_facts(tiny_model_dir, {"device": "cpu", "load_in_4bit": True}, {})
+    assert facts["quantization"] == {tiny_model_dir: expected}
+
+
+def test_the_four_bit_flag_claims_no_more_than_bitsandbytes_does():
+    from dataclasses import fields
+
+    help_text = next(f for f in fields(LoadOptions) if f.name == "load_in_4bit").metadata["help"]
+    assert "as in the paper" not in help_text and "nn.Linear layers only" in help_text

@@ -532,6 +532,7 @@ def run_evaluation(
         "tasks": [t.metadata.name for t in tasks],
         "versions": record["versions"],
         "git_revision": record["git_revision"],
+        **({"quantization": record["quantization"]} if "quantization" in record else {}),
         "seconds": round(total, 1),
         "cpu_seconds": round(time.process_time() - cpu0, 1),
         "load_average": _load_average(),
