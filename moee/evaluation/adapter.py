@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,10 +188,18 @@ class MoEEMTEBEncoder(AbsEncoder):
     ``alpha`` is a number, or ``"auto"`` together with ``alpha_by_task`` (task name -> weight,
     from ``moee.evaluation.alpha.choose_alpha``): the label-free weight is chosen per task from
     the task's own texts before evaluation, and ``"auto"`` (not the numbers) names the results.
-    The five configuration keywords left out come from the model's saved configuration, else the
-    library default (:func:`moee.embed.config.resolve_config`, the rule of ``encode``); ``config``
-    (an :class:`moee.embed.config.EmbeddingConfig`) may replace them. Vectors are always normalised. ``trace_cache`` (optional) shares forward passes
+    The configuration keywords (``method``, ``pooling``, ``prompt``, ``score``, ``alpha`` and the
+    recipe options ``recipe``, ``hs_layer``, ``rw_layers``, ``reference``) left out come from the
+    model's saved configuration, else the library default (:func:`moee.embed.config.resolve_config`,
+    the rule of ``encode``); ``config`` (an :class:`moee.embed.config.EmbeddingConfig`) may replace
+    them. Vectors are always normalised (``normalize=False`` is refused). ``trace_cache`` (optional) shares forward passes
     between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when the caller already has it.
+
+    mteb says which side of a retrieval task it encodes (``prompt_type``): queries get the model's
+    named ``query`` prompt and documents its ``document`` prompt (``MoEEmbedder.prompts``, the
+    ``prompts`` of its ``moee_embedding.json``), exactly as ``encode_query`` / ``encode_document``
+    embed them; other inputs, and a side the model names no prompt for, get the configuration's.
+    A prompt the caller chooses (``prompt=``, or inside ``config``) is used for both sides.
     """
 
     def __init__(
@@ -204,11 +213,21 @@ class MoEEMTEBEncoder(AbsEncoder):
         prompt: str | None = MODEL_DEFAULT,
         score: str = MODEL_DEFAULT,
         alpha: float | str = MODEL_DEFAULT,
+        normalize: bool = MODEL_DEFAULT,
+        recipe: str | None = MODEL_DEFAULT,
+        hs_layer: Any = MODEL_DEFAULT,
+        rw_layers: Any = MODEL_DEFAULT,
+        reference: str | os.PathLike | None = MODEL_DEFAULT,
         alpha_by_task: Mapping[str, float] | None = None,
         trace_cache: TraceCache | None = None,
         config: EmbeddingConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        if normalize is not MODEL_DEFAULT and normalize is not True:
+            raise ValueError(
+                f"normalize={normalize!r}: the mteb encoder always L2-normalises (it declares cosine "
+                "similarity); leave normalize out, or use MoEEmbedder.encode(normalize=False) for raw vectors"
+            )
         if isinstance(embedder, (str, os.PathLike)) or embedder is None:
             from moee.embed.embedder import MoEEmbedder
 
@@ -216,13 +235,32 @@ class MoEEMTEBEncoder(AbsEncoder):
         elif kwargs:
             raise TypeError(f"unexpected arguments for an already loaded embedder: {sorted(kwargs)}")
         self.model = embedder
-        keywords = {"method": method, "pooling": pooling, "prompt": prompt, "score": score, "alpha": alpha}
+        keywords = {
+            "method": method,
+            "pooling": pooling,
+            "prompt": prompt,
+            "score": score,
+            "alpha": alpha,
+            "recipe": recipe,
+            "hs_layer": hs_layer,
+            "rw_layers": rw_layers,
+            "reference": reference,
+        }
+        prompt_chosen = prompt is not MODEL_DEFAULT or config is not None
         if config is None:
             config = resolve_config(model_config_of(embedder), **keywords)
         elif any(v is not MODEL_DEFAULT for v in keywords.values()):
             given = sorted(k for k, v in keywords.items() if v is not MODEL_DEFAULT)
             raise TypeError(f"pass {', '.join(given)} inside config, not beside it")
         self.config = config.replace(normalize=True)
+        #: The configuration of each side mteb names whose named prompt changes what is embedded.
+        self.role_configs: dict[str, EmbeddingConfig] = {}
+        named = {} if prompt_chosen else (getattr(embedder, "prompts", None) or {})
+        for role in ("query", "document"):
+            if role in named:  # resolved as encode(prompt_name=role) resolves it (its reference included)
+                own = resolve_config(model_config_of(embedder), **{**keywords, "prompt": named[role]})
+                if own.replace(normalize=True) != self.config:
+                    self.role_configs[role] = own.replace(normalize=True)
         if config.alpha == AUTO_ALPHA:
             self.alpha_by_task = {k: check_alpha(v) for k, v in (alpha_by_task or {}).items()}
         else:
@@ -236,6 +274,11 @@ class MoEEMTEBEncoder(AbsEncoder):
         if trace_cache is None:
             trace_cache = TraceCache(embedder, config=config)
         self.trace_cache = trace_cache
+        by_key = {trace_cache.key: trace_cache}  # query and document with one prompt share a cache
+        for c in self.role_configs.values():
+            if c.feature_key() not in by_key:
+                by_key[c.feature_key()] = TraceCache(embedder, config=c)
+        self._role_caches = {role: by_key[c.feature_key()] for role, c in self.role_configs.items()}
         self.mteb_model_meta = self._build_meta(model_name(embedder), revision or _weights_digest(embedder))
 
     # The configuration's fields, as attributes (read-only: the configuration is frozen).
@@ -279,11 +322,20 @@ class MoEEMTEBEncoder(AbsEncoder):
             public_training_data=None,
             framework=["PyTorch", "Transformers"],
             similarity_fn_name="cosine",
-            use_instructions=self.prompt is not None,
+            use_instructions=any(c.prompt is not None for c in (self.config, *self.role_configs.values())),
             training_datasets=set(),
             reference="https://arxiv.org/abs/2410.10814",
-            experiment_kwargs=self.config.experiment_kwargs(),
+            experiment_kwargs=self.experiment_kwargs(),
         )
+
+    def experiment_kwargs(self) -> dict[str, Any]:
+        """The configuration's mteb ``experiment_kwargs``, plus ``query_prompt`` / ``document_prompt``
+        where a named prompt embeds that side otherwise (its results must not share a cache folder
+        with the configuration's alone)."""
+        kwargs = self.config.experiment_kwargs()
+        for role, config in self.role_configs.items():
+            kwargs[f"{role}_prompt"] = config.prompt_label
+        return kwargs
 
     def alpha_for(self, task_name: str) -> float:
         """The MoEE(sum) weight used for ``task_name``."""
@@ -303,12 +355,13 @@ class MoEEMTEBEncoder(AbsEncoder):
         task_name: str | None = None,
         batch_size: int = 32,
         show_progress_bar: bool = False,
+        role: str | None = None,
     ) -> np.ndarray:
-        """Embed plain texts with this configuration (the path ``encode`` takes after unbatching)."""
+        """Embed plain texts with this configuration (the path ``encode`` takes after unbatching);
+        ``role`` (``"query"``, ``"document"``) uses that side's named prompt where the model has one."""
         alpha = self.alpha_for(task_name) if self.config.uses_alpha else 1.0
-        hs, rw = self.trace_cache.get_features(
-            texts, batch_size=batch_size, show_progress_bar=show_progress_bar
-        )
+        cache = self._role_caches.get(role, self.trace_cache) if role is not None else self.trace_cache
+        hs, rw = cache.get_features(texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
         if not texts:
             return np.zeros((0, self._embed_dim() or 0), np.float32)
         return combine_features(hs, rw, self.method, alpha=alpha, normalize=True)
@@ -323,13 +376,15 @@ class MoEEMTEBEncoder(AbsEncoder):
         prompt_type: PromptType | None = None,
         **kwargs: Any,
     ) -> np.ndarray:
-        """mteb entry point: the same embedding for queries and documents (a symmetric model)."""
+        """mteb entry point: queries and documents under the model's named ``query`` / ``document``
+        prompts where it has them (see the class docstring), everything else under the configuration."""
         texts = _batches_to_texts(inputs)
         return self.embed_texts(
             texts,
             task_name=task_metadata.name,
             batch_size=int(kwargs.get("batch_size", 32)),
             show_progress_bar=bool(kwargs.get("show_progress_bar", False)),
+            role=None if prompt_type is None else str(getattr(prompt_type, "value", prompt_type)),
         )
 
 
@@ -342,10 +397,12 @@ def get_model(
 ) -> MoEEMTEBEncoder:
     """The mteb encoder of a model under one configuration, as ``mteb.get_model`` returns one:
     ``mteb.evaluate(get_model("path/or/hub-id", method="hs"), tasks)``. ``model`` is a name or path
-    (``None``: the bundled model) or a loaded ``MoEEmbedder``; ``config`` or the keywords ``method``,
-    ``pooling``, ``prompt``, ``score``, ``alpha`` choose the configuration, the rest comes from the
-    model's own (``resolve_config``); other keywords go to ``MoEEmbedder.from_pretrained``."""
-    names = ("method", "pooling", "prompt", "score", "alpha")
+    (``None``: the bundled model) or a loaded ``MoEEmbedder``; ``config`` or the keywords named like
+    an ``EmbeddingConfig`` field (``method``, ``pooling``, ``prompt``, ``score``, ``alpha``,
+    ``normalize``, ``recipe``, ``hs_layer``, ``rw_layers``, ``reference``) choose the configuration,
+    the rest comes from the model's own (``resolve_config``); other keywords go to
+    ``MoEEmbedder.from_pretrained``."""
+    names = [f.name for f in fields(EmbeddingConfig)]
     chosen = {k: keywords.pop(k) for k in names if k in keywords}
     if keywords and not (model is None or isinstance(model, (str, os.PathLike))):
         raise TypeError(f"{sorted(keywords)} load a model; the embedder given is already loaded")
