@@ -12,8 +12,8 @@ is not where the first layer runs), and a batch moved there cannot be used. The 
 knows the right answer: its accelerate hook's ``execution_device`` is where token ids are looked
 up, which is where ``input_ids``/``attention_mask`` must go.
 
-:class:`LoadOptions` is the one set of loading options (device, dtype, device_map, 4-bit,
-remote code, pickle weights, tokenizer): each field declares its command-line flag beside itself
+:class:`LoadOptions` is the one set of loading options (device, dtype, device_map, memory
+budgets, offload folder, 4-bit, remote code, pickle weights, tokenizer): each field declares its command-line flag beside itself
 (``metadata``; ``moee.cli_options`` builds the flags from the fields, so a new option is one field
 with its metadata), :func:`add_loading_arguments` gives every command the same flags,
 :meth:`LoadOptions.from_args` reads them back, and :func:`load_model` is the one loader every
@@ -23,11 +23,19 @@ weights with :func:`load_causal_lm`, places them, and finds the tokenizer (:func
 ``LoadOptions.tokenizer`` when given, else the model folder's own, else, for a training checkpoint
 (``moee train``'s ``run/step_XXXXXXXX/``, which holds no tokenizer), the one its run was trained
 with; an error names what is missing when none is found.
+
+A model larger than memory loads with ``--device-map auto --max-memory cpu=8GiB --offload-folder
+DIR``: accelerate fills each device up to its budget (:func:`parse_max_memory`, read once when the
+options are made) and puts the remaining layers in ``DIR``, read back just before each runs; the
+capture hooks sit inside accelerate's, so the vectors are those of the model held in memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -47,6 +55,7 @@ __all__ = [
     "input_device",
     "load_causal_lm",
     "load_model",
+    "parse_max_memory",
     "quantization_summary",
     "split_revision",
     "tokenizer_source",
@@ -54,6 +63,80 @@ __all__ = [
 
 #: Weight dtypes the CLI offers (``auto``: the checkpoint's own; none given: transformers' default).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: Byte multiples a ``--max-memory`` size may end in (any case; no unit: bytes).
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_NAMED_DEVICES = ("cpu", "mps", "disk")
+_MAX_MEMORY_FORM = (
+    "give DEVICE=SIZE pairs joined by commas, e.g. --max-memory cpu=8GiB or --max-memory 0=20GiB,cpu=8GiB "
+    "(DEVICE: a GPU index, cuda:N, cpu, mps or disk; SIZE: bytes, or a number with KB/MB/GB/TB or KiB/MiB/GiB/TiB)"
+)
+
+
+def _memory_size(device: object, size: object) -> int:
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(
+            f"--max-memory: the size of {device} must be a number of bytes or a text like 8GiB, got {size!r}"
+        )
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"--max-memory: the size of {device} is negative ({size})")
+        return size
+    match = _SIZE.fullmatch(size)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"--max-memory: cannot read the size {size!r} of {device}; {_MAX_MEMORY_FORM}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _memory_device(key: object) -> int | str:
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    text = str(key).strip().lower() if isinstance(key, str) else ""
+    if text.isdigit():
+        return int(text)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])  # accelerate numbers CUDA devices by index
+    if text in _NAMED_DEVICES:
+        return text
+    raise ValueError(f"--max-memory: unknown device {key!r}; {_MAX_MEMORY_FORM}")
+
+
+def parse_max_memory(value: str | Mapping[Any, Any] | None) -> dict[int | str, int] | None:
+    """``--max-memory`` as accelerate's ``max_memory`` takes it: ``{device: bytes}`` from the flag's
+    text (``"0=20GiB,cpu=8GiB"``) or from a mapping (``{"cpu": "8GiB"}``, ``{0: 2**34}``).
+
+    GPUs are integers (``cuda:N`` is read as ``N``), the others ``cpu``, ``mps`` or ``disk``; sizes
+    are bytes, decimal (``GB``) or binary (``GiB``) multiples, in any case (``gb`` is bytes here, not
+    bits). The one place the flag is read, so every error names ``--max-memory`` and its form.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        pairs = []
+        for item in value.split(","):
+            device, sep, size = item.partition("=")
+            if not sep or not device.strip() or not size.strip():
+                raise ValueError(
+                    f"--max-memory: cannot read {item.strip()!r} in {value!r}; {_MAX_MEMORY_FORM}"
+                )
+            pairs.append((device, size))
+    elif isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        raise ValueError(
+            f"--max-memory must be a text or a mapping, got {type(value).__name__}; {_MAX_MEMORY_FORM}"
+        )
+    if not pairs:
+        raise ValueError(f"--max-memory is empty; {_MAX_MEMORY_FORM}")
+    parsed: dict[int | str, int] = {}
+    for key, size in pairs:
+        device = _memory_device(key)
+        if device in parsed:
+            raise ValueError(f"--max-memory names device {device!r} twice ({value!r}); give each device once")
+        parsed[device] = _memory_size(device, size)
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -75,6 +158,22 @@ class LoadOptions:
         default=None,
         metadata={
             "help": "transformers device_map, e.g. auto: spread a large model over GPUs/CPU (instead of --device)"
+        },
+    )
+    max_memory: str | Mapping[Any, Any] | None = field(
+        default=None,
+        metadata={
+            "metavar": "DEVICE=SIZE[,...]",
+            "help": "with --device-map: the most each device may hold, e.g. cpu=8GiB or 0=20GiB,cpu=8GiB "
+            "(devices: a GPU index, cpu, mps, disk; sizes in bytes, KB/MB/GB or KiB/MiB/GiB); "
+            "the layers beyond the budgets go to --offload-folder",
+        },
+    )
+    offload_folder: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "DIR",
+            "help": "with --device-map: the folder for the layers placed on disk (read back as each layer runs)",
         },
     )
     load_in_4bit: bool = field(
@@ -111,6 +210,21 @@ class LoadOptions:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of: {', '.join(DTYPES)}")
         if self.device is not None and self.device_map is not None:
             raise ValueError("give either --device or --device-map, not both")
+        # read once: a mapping of device -> bytes from here on (replace() reads it again, unchanged)
+        object.__setattr__(self, "max_memory", parse_max_memory(self.max_memory))
+        if self.offload_folder is not None:
+            folder = os.fspath(self.offload_folder)
+            if not folder or Path(folder).expanduser().is_file():
+                raise ValueError(
+                    f"--offload-folder {folder!r} is not a folder; give a directory to offload layers to"
+                )
+            object.__setattr__(self, "offload_folder", folder)
+        for name, flag in (("max_memory", "--max-memory"), ("offload_folder", "--offload-folder")):
+            if getattr(self, name) is not None and self.device_map is None:
+                raise ValueError(
+                    f"{flag} only applies with --device-map: add --device-map auto to let accelerate place "
+                    "the layers within the memory budgets (and offload the rest to disk)"
+                )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoadOptions:
@@ -135,12 +249,17 @@ class LoadOptions:
         return getattr(torch, self.dtype)
 
     def hf_kwargs(self) -> dict[str, Any]:
-        """The keywords for ``from_pretrained`` besides the device: dtype, device_map, 4-bit config."""
+        """The keywords for ``from_pretrained`` besides the device: dtype, device_map with its memory
+        budgets and offload folder, 4-bit config."""
         kwargs: dict[str, Any] = {}
         if self.dtype is not None:
             kwargs["dtype"] = self.torch_dtype()
         if self.device_map is not None:
             kwargs["device_map"] = self.device_map
+        if self.max_memory is not None:
+            kwargs["max_memory"] = dict(self.max_memory)  # accelerate rewrites the dict it is given
+        if self.offload_folder is not None:
+            kwargs["offload_folder"] = self.offload_folder
         if self.load_in_4bit:
             kwargs["quantization_config"] = four_bit_config()
         return kwargs
@@ -456,6 +575,14 @@ def load_model(
             allow_pickle_weights=options.allow_pickle_weights,
             **{**options.hf_kwargs(), **extra, **hf_kwargs},
         )
+    except ValueError as exc:  # accelerate put layers on disk and there is no folder for them
+        if "offload_folder" not in str(exc) or options.offload_folder is not None:
+            raise
+        raise ValueError(
+            f"{name}: the device map puts some layers on disk (the memory budgets do not hold the whole "
+            "model), and they need a folder: add --offload-folder DIR (LoadOptions(offload_folder=...)), "
+            "or raise --max-memory"
+        ) from exc
     except OSError as exc:  # a Hub name that cannot be fetched: said plainly, not a raw traceback
         if Path(name).expanduser().exists():
             raise

@@ -263,9 +263,9 @@ class MoEEmbedder:
         safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`).
 
         ``options`` (a :class:`moee.loading.LoadOptions`, what every CLI command passes) gives the
-        device, dtype, device_map, 4-bit, remote-code, pickle and tokenizer choices in one object; it
-        cannot be combined with those keywords. The model's embedding configuration
-        (``moee_embedding.json``) comes from its folder or Hub repository
+        device, dtype, device_map (with max_memory and offload_folder), 4-bit, remote-code, pickle and
+        tokenizer choices in one object; it cannot be combined with those keywords. The model's
+        embedding configuration (``moee_embedding.json``) comes from its folder or Hub repository
         (:func:`moee.embed.config.load_model_config`)."""
         from moee.loading import LoadOptions, load_model, split_revision
 
@@ -277,7 +277,11 @@ class MoEEmbedder:
             ]
             given += ["trust_remote_code"] if trust_remote_code else []
             given += ["allow_pickle_weights"] if allow_pickle_weights else []
-            given += [k for k in ("device_map", "quantization_config") if k in hf_kwargs]
+            given += [
+                k
+                for k in ("device_map", "max_memory", "offload_folder", "quantization_config")
+                if k in hf_kwargs
+            ]
             if given:
                 raise TypeError(f"pass {', '.join(given)} inside options, not beside it")
         else:
