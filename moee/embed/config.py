@@ -26,6 +26,7 @@ for byte, and every one with them gets its own result folder.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -596,6 +597,14 @@ def _model_file(name_or_path: str | PathLike, filename: str, *, local_only: bool
     return Path(found) if found else None
 
 
+def _leaves_folder(reference: str) -> bool:
+    """Whether a relative ``reference`` of a model's :data:`MODEL_CONFIG_FILE` names a file outside
+    the model folder (``../x.safetensors``, ``a/../../x``): judged on the name, so a folder whose
+    files are links elsewhere (the Hub cache's) still holds its own reference."""
+    normal = os.path.normpath(reference)
+    return normal == os.pardir or normal.startswith(os.pardir + os.sep)
+
+
 def load_model_config(
     name_or_path: str | PathLike,
     *,
@@ -608,7 +617,8 @@ def load_model_config(
 
     A relative ``reference`` names a file inside the model folder and is resolved there, so a
     copied or downloaded folder brings its statistics along. A file of another format or a newer
-    version, or with unknown fields, is an error naming the file."""
+    version, or with unknown fields, is an error naming the file; so is a relative ``reference``
+    that leaves the folder (an absolute one is used as it is)."""
     hub = {"revision": revision, "cache_dir": cache_dir}
     path = _model_file(name_or_path, MODEL_CONFIG_FILE, local_only=local_only, **hub)
     if path is None:
@@ -633,6 +643,14 @@ def load_model_config(
     reference = values.get("reference")
     if isinstance(reference, str) and not Path(reference).is_absolute():
         from moee.embed.reference import reference_paths
+
+        if _leaves_folder(reference):
+            raise ValueError(
+                f"{path}: 'reference' is {reference!r}, which leaves the model folder; a relative reference "
+                "names a file inside the folder: copy the .safetensors and its .json into the folder and name "
+                "it relative to it (e.g. 'reference.safetensors'), or name a reference kept elsewhere by its "
+                "absolute path"
+            )
 
         tensors, sidecar = (
             _model_file(name_or_path, str(rel), local_only=local_only, **hub)
@@ -755,7 +773,8 @@ def drop_model_reference(directory: str | PathLike) -> str | None:
     reference = values.pop("reference", None) if isinstance(values, dict) else None
     if not isinstance(reference, str):
         return None
-    if not Path(reference).is_absolute():  # a file outside the folder is not the folder's to remove
+    # a file outside the folder is not the folder's to remove
+    if not Path(reference).is_absolute() and not _leaves_folder(reference):
         from moee.embed.reference import reference_paths
 
         for stale in reference_paths(directory / reference):
