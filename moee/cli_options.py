@@ -54,7 +54,12 @@ METADATA_KEYS = frozenset(
     {"help", "choices", "type", "metavar", "default_text", "group", "flag", "repeatable"}
 )
 #: Argument groups fields may name (``group``), by their title in ``--help``.
-GROUPS = {"recipes": "recipes (docs/RECIPES.md)"}
+GROUPS = {
+    "recipes": "recipes (docs/RECIPES.md)",
+    "serve-limits": "batching and limits",
+    "serve-access": "access",
+    "serve-connections": "connections",
+}
 
 #: How the help of an embedding flag names its default.
 MODEL_DEFAULT_TEXT = "the model's saved configuration, else {}"
@@ -118,7 +123,8 @@ def add_field_arguments(
                 f"{', '.join(sorted(METADATA_KEYS))}; got {', '.join(sorted(meta))}"
             )
         default = MODEL_DEFAULT_TEXT.format(_default_text(f)) if explicit else _default_text(f)
-        shown = explicit or "default_text" in meta
+        # a value default is worth saying; an unset (None) or off (bool) one is not
+        shown = explicit or "default_text" in meta or _field_default(f) not in (None, True, False)
         help_text = meta["help"] + (f" (default: {default})" if shown else "")
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if f.type in (bool, "bool") and explicit:  # both ways: a model's False can be overridden too

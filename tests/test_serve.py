@@ -44,14 +44,16 @@ def embedder(tiny_model_dir) -> MoEEmbedder:
 
 @pytest.fixture(scope="module")
 def server(embedder):
-    """One server for the tests that need no special limits."""
-    with serve_in_thread(create_app(embedder, ServerSettings(batch_wait_ms=5))) as url:
+    """One server for the tests that need no special limits (routing on)."""
+    with serve_in_thread(create_app(embedder, ServerSettings(batch_wait_ms=5, enable_routing=True))) as url:
         yield url
 
 
-def _post(url: str, body, *, raw: bytes | None = None) -> tuple[int, dict]:
+def _post(url: str, body, *, raw: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -198,7 +200,10 @@ def test_limits_on_inputs_and_tokens(embedder) -> None:
         assert status == 413 and "limit of 3 inputs per request" in doc["error"]["message"]
         long = "the cat sat on the red mat"
         status, doc = _post(url + "/v1/embeddings", {"input": [long]})
-        assert status == 400 and "over the limit of 4 tokens per input" in doc["error"]["message"]
+        assert (
+            status == 400
+            and "limit of 4 tokens per input (moee serve --max-tokens-per-input" in doc["error"]["message"]
+        )
         status, doc = _post(url + "/v1/embeddings", {"input": [long], "truncate": True})
         assert status == 200
         np.testing.assert_allclose(_vectors(doc)[0], embedder.encode("the cat sat on"), atol=1e-6)

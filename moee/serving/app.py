@@ -1,26 +1,45 @@
 """The HTTP server behind ``moee serve``: OpenAI-compatible embeddings, token routing, metrics.
 
-Endpoints (shapes in ``moee.serving.protocol``): ``POST /v1/embeddings``, ``POST /v1/routing``,
-``GET /v1/models`` (the served model, its weights digest and configuration), ``GET /health``,
-``GET /metrics`` (Prometheus).
+Endpoints (shapes in ``moee.serving.protocol``): ``POST /v1/embeddings``, ``POST /v1/routing``
+(only with ``enable_routing``: a text's routes reveal most of its tokens; else 403 naming the
+flag), ``GET /v1/models`` (the served model by its label, its weights digest and configuration; no
+local path appears in any response), ``GET /health``, ``GET /metrics`` (Prometheus).
 
-Limits: at most ``max_concurrent_requests`` requests are admitted at once (a further one gets
-429); a request with more than ``max_inputs_per_request`` inputs gets 413, an input over
-``max_tokens_per_input`` tokens gets 400 naming the limit, unless the request says
-``"truncate": true`` (the text is cut at that many tokens); without that limit a text is cut to the
-model's maximum length exactly as ``encode`` cuts it. A client that
-disconnects has its waiting rows dropped. The server drains on SIGTERM: uvicorn stops accepting,
-in-flight requests finish, then the batcher stops.
+Access: with an ``api_key`` every endpoint but ``/health`` (open for load-balancer probes; it
+tells only the model id and queue depth) needs ``Authorization: Bearer <key>`` (compared in
+constant time), else 401.
+
+Limits (:class:`moee.serving.settings.ServerSettings`; each refusal names the ``moee serve`` flag
+that raises it): at most ``max_concurrent_requests`` requests are admitted at once (a further one
+gets 429); a body over ``max_request_bytes``, more than ``max_inputs_per_request`` inputs, an input
+over ``max_chars_per_input`` characters, inputs of more than ``max_tokens_per_request`` tokens in
+all, or a dense routing answer of more than ``max_dense_routing_values`` floats gets 413; an input
+over ``max_tokens_per_input`` tokens gets 400, unless the request says ``"truncate": true`` (the
+text is cut at that many tokens); without that limit a text is cut to the model's maximum length
+exactly as ``encode`` cuts it. Every value of a request is checked before use
+(``protocol.check_values``: 400 naming the field), so no client mistake is a 500.
+
+Connections (:func:`uvicorn_config`): a connection idle for ``idle_timeout_s`` (before its first
+request too) is closed, a request that has not arrived whole ``request_timeout_s`` after its first
+byte gets 408, and the request of a connection beyond ``max_connections`` gets 503. A client that
+disconnects has its waiting rows dropped, and a routing request stops between forwards; either is
+one log line. Routing runs in forwards of at most ``max_routing_batch_tokens`` padded tokens that
+take turns with the embedding batches on the one forward thread, so a long routing request holds
+an embedding up for one such forward at most. The server drains on SIGTERM: uvicorn stops
+accepting, in-flight requests finish, then the batcher stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hmac
+import json
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,62 +54,58 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.requests import ClientDisconnect
 
 from moee.embed.config import EmbeddingConfig
-from moee.serving.batcher import DynamicBatcher
+from moee.serving.batcher import DynamicBatcher, cut_batches
 from moee.serving.protocol import (
     ApiError,
     EmbeddingsRequest,
+    check_values,
     encode_vector,
     error_body,
     parse_embeddings_request,
     parse_json,
     parse_routing_request,
 )
+from moee.serving.settings import API_KEY_ENV, ServerSettings, flag_of
 
-__all__ = ["ServerSettings", "EmbeddingService", "create_app", "serve_in_thread", "served_model_name"]
+__all__ = [
+    "ServerSettings",
+    "EmbeddingService",
+    "create_app",
+    "serve_in_thread",
+    "served_model_name",
+    "uvicorn_config",
+]
 
 ENDPOINTS = ("/v1/embeddings", "/v1/routing", "/v1/models", "/health", "/metrics")
+#: Endpoints open without the API key (probes): the model id and queue depth, nothing private.
+OPEN_ENDPOINTS = ("/health",)
 #: How often a waiting request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.05
+#: Inputs tokenized at a time while a request is counted against ``max_tokens_per_request``: an
+#: oversized request is refused after at most this many inputs past its budget.
+TOKENIZE_CHUNK = 64
+#: uvicorn's log: the server's one-line notes (dropped clients, timeouts) go where uvicorn's go.
+log = logging.getLogger("uvicorn.error")
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    """The server's limits and batching knobs (``moee serve`` flags of the same names)."""
-
-    max_batch_tokens: int = 16384
-    max_concurrent_requests: int = 512
-    max_inputs_per_request: int = 2048
-    max_tokens_per_input: int | None = None  # None: no limit; cut to the model's maximum like encode
-    batch_wait_ms: float = 2.0
-    served_model_name: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_concurrent_requests", "max_inputs_per_request"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} (--{name.replace('_', '-')}) must be a positive integer, got {value!r}"
-                )
-        if self.max_tokens_per_input is not None and self.max_tokens_per_input < 1:
-            raise ValueError(
-                "max_tokens_per_input (--max-tokens-per-input) must be a positive integer, "
-                f"got {self.max_tokens_per_input!r}"
-            )
-        if self.batch_wait_ms < 0:
-            raise ValueError(f"batch_wait_ms (--batch-wait-ms) must be >= 0, got {self.batch_wait_ms!r}")
+def _over(limit: int, unit: str, name: str) -> str:
+    """The end of a refusal: the limit, and the flag that raises it."""
+    return f"over the server's limit of {limit:,} {unit} (moee serve {flag_of(name)} raises it)"
 
 
 def served_model_name(embedder: Any) -> str:
-    """The ``model`` id clients send: the folder or Hub name (``moee-default`` for the bundled model)."""
+    """The ``model`` id clients send: the folder or Hub name (``moee-default`` for the bundled
+    model); never a local path."""
     from moee.embed.embedder import DEFAULT_MODEL_DIR
 
     name = str(embedder.name_or_path)
     local = Path(name)
     if local.exists() and local.resolve() == DEFAULT_MODEL_DIR.resolve():
         return "moee-default"
-    return local.name if local.is_dir() else name
+    return local.name if local.is_dir() or local.is_absolute() else name
 
 
 class _Metrics:
@@ -164,6 +179,31 @@ class EmbeddingService:
         self.max_tokens_per_input = settings.max_tokens_per_input
         self.weights_digest = embedder.weights_digest
         self.created = int(time.time())
+        # this machine's paths a message could carry, longest first, and the labels shown instead
+        own = embedder.default_config.reference
+        paths = {str(embedder.name_or_path): served_model_name(embedder)}
+        if own is not None:
+            paths[own] = reference_label(own)
+        for path, label in list(paths.items()):
+            if Path(path).exists():
+                paths[str(Path(path).resolve())] = label
+            else:
+                del paths[path]  # a Hub id is a label already
+        self._paths = sorted(paths.items(), key=lambda item: -len(item[0]))
+
+    # ------------------------------------------------------------------ what responses show
+    def public(self, message: str) -> str:
+        """``message`` with this machine's model and reference paths replaced by their labels."""
+        for path, label in self._paths:
+            message = message.replace(path, label)
+        return message
+
+    def public_config(self, config: EmbeddingConfig) -> dict[str, Any]:
+        """``config.to_dict()`` with the reference by its label (file name), not its path."""
+        values = config.to_dict()
+        if config.reference is not None:
+            values["reference"] = reference_label(config.reference)
+        return values
 
     # ------------------------------------------------------------------ requests
     def check_model(self, model: str | None) -> None:
@@ -173,6 +213,16 @@ class EmbeddingService:
                 f"model {model!r} is not served here; this server serves {self.model_id!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_routing_enabled(self) -> None:
+        if not self.settings.enable_routing:
+            raise ApiError(
+                403,
+                "routing is off on this server: token routes reveal most of a text's tokens, so they "
+                "are served only when the server is started with --enable-routing (with --api-key, "
+                "or bound to 127.0.0.1, so that only you can read them)",
+                code="routing_disabled",
             )
 
     def config_for(self, given: dict[str, Any], prompt_name: str | None) -> EmbeddingConfig:
@@ -186,24 +236,30 @@ class EmbeddingService:
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="prompt_name") from None
         own = self.embedder.default_config
-        if "reference" in given and given["reference"] != own.reference:
-            raise ApiError(
-                400,
-                "'reference' names a file on the server: a request may only give the model's own "
-                f"({own.reference!r}); leave it out",
-                param="reference",
-            )
+        if "reference" in given:
+            if own.reference is not None and given["reference"] == reference_label(own.reference):
+                given["reference"] = own.reference  # the model's own, as /v1/models names it
+            if given["reference"] != own.reference:
+                shown = "it has none" if own.reference is None else repr(reference_label(own.reference))
+                raise ApiError(
+                    400,
+                    "'reference' names a file on the server: a request may only give the model's own "
+                    f"({shown}, as GET /v1/models names it); leave it out",
+                    param="reference",
+                )
         try:
             config = self.embedder.resolve_config(**given)
             config.numeric_alpha()
         except (TypeError, ValueError) as exc:
             raise ApiError(400, f"embedding configuration: {exc}", param=_field_of(exc, given)) from None
+        # the numbers a field's text form held ("0:1e308") pass the checks the JSON ones did
+        check_values({name: value for name, value in config.to_dict().items() if name in given})
         from moee.commands.embed import check_config_fits_model
 
         try:
             check_config_fits_model(self.embedder, config)
         except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=_field_of(exc, given)) from None
         return config
 
     def check_dimensions(self, dimensions: int | None, config: EmbeddingConfig) -> int:
@@ -218,28 +274,64 @@ class EmbeddingService:
             )
         return dim
 
-    def check_count(self, texts: list[str]) -> None:
+    def check_inputs(self, texts: list[str]) -> None:
+        """Refuse (413) more inputs than ``max_inputs_per_request`` or an input over
+        ``max_chars_per_input`` characters, before any is tokenized."""
         limit = self.settings.max_inputs_per_request
         if len(texts) > limit:
             raise ApiError(
                 413,
-                f"{len(texts)} inputs exceed the limit of {limit} inputs per request "
-                "(--max-inputs-per-request); split the request",
+                f"{len(texts):,} inputs are {_over(limit, 'inputs per request', 'max_inputs_per_request')}; "
+                "split the request",
                 param="input",
                 code="too_many_inputs",
             )
+        limit = self.settings.max_chars_per_input
+        for i, text in enumerate(texts):
+            if len(text) > limit:
+                raise ApiError(
+                    413,
+                    f"input[{i}] has {len(text):,} characters, "
+                    f"{_over(limit, 'characters per input', 'max_chars_per_input')}; shorten or split it",
+                    param="input",
+                    code="input_too_long",
+                )
 
     def prepare(
         self, texts: list[str], config: EmbeddingConfig, truncate: bool
     ) -> tuple[list[str], list[int]]:
         """The texts (cut at ``max_tokens_per_input`` tokens when ``truncate``; else an input over it
-        is a 400 naming the limit) and their forward lengths. Runs on the counting copy of the
-        tokenizer, under its own lock (a fast tokenizer's settings are shared state), so it never
-        waits for a forward."""
+        is a 400 naming the limit) and their forward lengths; a request over
+        ``max_tokens_per_request`` is a 413 once its count passes the budget (tokenized
+        :data:`TOKENIZE_CHUNK` inputs at a time, so an oversized request costs little). Runs on the
+        counting copy of the tokenizer, under its own lock (a fast tokenizer's settings are shared
+        state), so it never waits for a forward."""
+        budget = self.settings.max_tokens_per_request
+        out: list[str] = []
+        lengths: list[int] = []
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            chunk = self._cut(texts[start : start + TOKENIZE_CHUNK], start, truncate)
+            out.extend(chunk)
+            lengths.extend(self.counter.token_lengths(chunk, config))
+            total = sum(lengths)
+            if total > budget:
+                counted = "" if len(out) == len(texts) else f" in their first {len(out):,} alone"
+                raise ApiError(
+                    413,
+                    f"the inputs have {total:,} tokens{counted}, "
+                    f"{_over(budget, 'tokens per request', 'max_tokens_per_request')}; split the request",
+                    param="input",
+                    code="request_too_large",
+                )
+        return out, lengths
+
+    def _cut(self, texts: list[str], offset: int, truncate: bool) -> list[str]:
+        """``texts`` (input ``offset`` on) under ``max_tokens_per_input``: cut when ``truncate``,
+        else a 400 naming the first one over it."""
         limit = self.max_tokens_per_input
-        counter = self.counter
         if limit is None:
-            return list(texts), counter.token_lengths(texts, config)
+            return list(texts)
+        counter = self.counter
         with counter._lock:
             enc = counter.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=truncate)
         out = list(texts)
@@ -249,18 +341,18 @@ class EmbeddingService:
             if not truncate:
                 raise ApiError(
                     400,
-                    f"input[{i}] has {len(ids)} tokens, over the limit of {limit} tokens per input "
-                    '(--max-tokens-per-input); shorten it or send "truncate": true',
+                    f"input[{offset + i}] has {len(ids):,} tokens, "
+                    f"{_over(limit, 'tokens per input', 'max_tokens_per_input')}; shorten it or send "
+                    '"truncate": true',
                     param="input",
                     code="input_too_long",
                 )
             out[i] = texts[i][: enc["offset_mapping"][i][limit - 1][1]]
-        return out, counter.token_lengths(out, config)
+        return out
 
-    def routing(
-        self, texts: list[str], given: dict[str, Any], prompt_name: str | None, dense: bool, top_k: int
-    ) -> dict:
-        """Token-level routes of ``texts`` (``moee.serving.protocol`` documents the shape)."""
+    # ------------------------------------------------------------------ routing
+    def routing_config(self, given: dict[str, Any], prompt_name: str | None) -> EmbeddingConfig:
+        """The configuration a routing request runs under (one prompt: an ensemble is a 400)."""
         config = self.config_for(given, prompt_name)
         if config.is_ensemble:
             raise ApiError(
@@ -268,9 +360,34 @@ class EmbeddingService:
                 "routing runs one prompt; the configuration's prompt is an ensemble: give 'prompt'",
                 param="prompt",
             )
+        return config
+
+    def check_dense(self, lengths: list[int], dense: bool) -> None:
+        """Refuse (413) a dense answer of more than ``max_dense_routing_values`` floats."""
+        if not dense:
+            return
         emb = self.embedder
-        data = []
-        for route in emb.iter_token_routes(texts, prompt=config.prompt, score=config.score):
+        values = int(sum(lengths)) * len(emb.layers) * int(emb.n_experts)
+        limit = self.settings.max_dense_routing_values
+        if values > limit:
+            raise ApiError(
+                413,
+                f'"dense": true would answer {values:,} floats ({sum(lengths):,} tokens x '
+                f"{len(emb.layers)} MoE layers x {emb.n_experts} experts), "
+                f"{_over(limit, 'floats', 'max_dense_routing_values')}; send fewer or shorter inputs, "
+                'or leave "dense" out',
+                param="dense",
+                code="response_too_large",
+            )
+
+    def route(
+        self, texts: list[str], indices: list[int], config: EmbeddingConfig, dense: bool, top_k: int
+    ) -> list[dict[str, Any]]:
+        """The routing answer's items of ``texts`` (input ``indices``), in one forward."""
+        emb = self.embedder
+        items = []
+        routes = emb.iter_token_routes(texts, prompt=config.prompt, score=config.score, batch_size=len(texts))
+        for index, route in zip(indices, routes):
             probs, chosen = route.probs, route.selection
             layers = []
             for li, name in enumerate(emb.layers):
@@ -285,14 +402,18 @@ class EmbeddingService:
                 weights = [[float(probs[t, li, e]) for e in row] for t, row in enumerate(experts)]
                 layers.append({"layer": name, "experts": experts, "weights": weights, "selection": source})
             item = {
-                "index": route.index,
+                "index": index,
                 "tokens": emb.tokenizer.convert_ids_to_tokens(route.input_ids.tolist()),
                 "token_ids": route.input_ids.tolist(),
                 "layers": layers,
             }
             if dense:
                 item["dense"] = probs.tolist()
-            data.append(item)
+            items.append(item)
+        return items
+
+    def routing_answer(self, config: EmbeddingConfig, items: list[dict[str, Any]]) -> dict[str, Any]:
+        emb = self.embedder
         return {
             "object": "list",
             "model": self.model_id,
@@ -300,31 +421,48 @@ class EmbeddingService:
             "layers": list(emb.layers),
             "score": config.score,
             "prompt": config.prompt_template,
-            "data": data,
+            "data": items,
         }
 
     def model_card(self) -> dict[str, Any]:
         emb = self.embedder
         config = emb.default_config
+        settings = self.settings
         return {
             "id": self.model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "moee",
             "moee": {
-                "name_or_path": str(emb.name_or_path),
+                "name": served_model_name(emb),  # a label: the Hub id or the folder's name
                 "weights_digest": self.weights_digest,
-                "config": config.to_dict(),
+                "config": self.public_config(config),
+                "reference_digest": config.reference_digest(),
                 "dimensions": emb.config_dim(config),
                 "prompts": {k: list(v) if isinstance(v, tuple) else v for k, v in emb.prompts.items()},
                 "moe_layers": emb.n_moe_layers,
                 "n_experts": emb.n_experts,
                 "hidden_size": emb.hidden_size,
-                "max_tokens_per_input": self.max_tokens_per_input,
                 "max_length": int(emb.max_length),
-                "max_inputs_per_request": self.settings.max_inputs_per_request,
+                "routing": settings.enable_routing,
+                **{
+                    name: getattr(settings, name)
+                    for name in (
+                        "max_inputs_per_request",
+                        "max_chars_per_input",
+                        "max_tokens_per_input",
+                        "max_tokens_per_request",
+                        "max_request_bytes",
+                        "max_dense_routing_values",
+                    )
+                },
             },
         }
+
+
+def reference_label(path: str) -> str:
+    """How responses name a reference: its file name (the folders are this machine's)."""
+    return Path(path).name
 
 
 def _field_of(exc: Exception, given: dict[str, Any]) -> str | None:
@@ -333,12 +471,16 @@ def _field_of(exc: Exception, given: dict[str, Any]) -> str | None:
 
 
 class _Disconnected(Exception):
-    pass
+    """The client of a waiting request went away; ``texts``: how many of its texts were dropped."""
+
+    def __init__(self, texts: int) -> None:
+        super().__init__(texts)
+        self.texts = texts
 
 
 def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
-    """The ASGI app serving ``embedder`` (run it with uvicorn; ``moee serve`` does); its ``state``
-    holds the ``service``, ``batcher`` and ``metrics``."""
+    """The ASGI app serving ``embedder`` (run it with uvicorn under :func:`uvicorn_config`; ``moee
+    serve`` does); its ``state`` holds the ``service``, ``batcher`` and ``metrics``."""
     settings = settings or ServerSettings()
     service = EmbeddingService(embedder, settings)
     metrics = _Metrics()
@@ -367,11 +509,19 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
+        body = error_body(exc.status, service.public(exc.message), exc.param, exc.code)
+        return JSONResponse(body, status_code=exc.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        log.info("%s: the client went away before its request arrived whole; dropped", _client(request))
+        return Response(status_code=499)  # nobody reads it; counted as a client abort
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(500, f"{type(exc).__name__}: {exc}"), status_code=500)
+        # the traceback goes to the server's log (uvicorn logs it); the client learns no local detail
+        message = f"internal error ({type(exc).__name__}); the server's log has the details"
+        return JSONResponse(error_body(500, message), status_code=500)
 
     @contextlib.contextmanager
     def admission():
@@ -388,6 +538,32 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
         finally:
             admitted["n"] -= 1
 
+    async def read_json(request: Request) -> dict[str, Any]:
+        """The body as a checked JSON object, read up to ``max_request_bytes`` (413 beyond)."""
+        limit = settings.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else 0
+        body = bytearray()
+        if size <= limit:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    size = len(body)
+                    break
+        if size > limit or len(body) > limit:
+            raise ApiError(
+                413,
+                f"the request body has {'at least ' if not declared else ''}{size:,} bytes, "
+                f"{_over(limit, 'bytes', 'max_request_bytes')}; split the request",
+                code="request_too_large",
+            )
+        return parse_json(bytes(body))
+
+    def dropped(request: Request, what: str, texts: int) -> Response:
+        metrics.cancelled.inc(texts)
+        log.info("%s: the client went away; %s of its %d texts dropped", _client(request), what, texts)
+        return Response(status_code=499)  # nobody reads it; counted as a client abort
+
     async def wait_for(request: Request, job) -> np.ndarray:
         while True:
             done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
@@ -396,14 +572,13 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
             if await request.is_disconnected():
                 before = batcher.cancelled_rows
                 batcher.cancel(job)
-                metrics.cancelled.inc(batcher.cancelled_rows - before)
-                raise _Disconnected
+                raise _Disconnected(batcher.cancelled_rows - before)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        req: EmbeddingsRequest = parse_embeddings_request(parse_json(await request.body()))
+        req: EmbeddingsRequest = parse_embeddings_request(await read_json(request))
         service.check_model(req.model)
-        service.check_count(req.texts)
+        service.check_inputs(req.texts)
         config = service.config_for(req.config, req.prompt_name)
         service.check_dimensions(req.dimensions, config)
         with admission():
@@ -411,8 +586,8 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
             job = batcher.submit(texts, lengths, config)
             try:
                 vectors = await wait_for(request, job)
-            except _Disconnected:
-                return Response(status_code=499)  # nobody reads it; counted as a client abort
+            except _Disconnected as gone:
+                return dropped(request, "the waiting rows", gone.texts)
         tokens = int(sum(lengths))
         return JSONResponse(
             {
@@ -423,22 +598,35 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
                 ],
                 "model": service.model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                "moee_config": config.to_dict(),
+                "moee_config": service.public_config(config),
             }
         )
 
     @app.post("/v1/routing")
-    async def routing(request: Request) -> JSONResponse:
-        req = parse_routing_request(parse_json(await request.body()))
+    async def routing(request: Request) -> Response:
+        service.check_routing_enabled()
+        req = parse_routing_request(await read_json(request))
         service.check_model(req.model)
-        service.check_count(req.texts)
-        service.config_for(req.config, req.prompt_name)  # a bad configuration is a 400 before any work
+        service.check_inputs(req.texts)
+        config = service.routing_config(req.config, req.prompt_name)  # a 400 before any work
         with admission():
-            texts, _ = await asyncio.to_thread(service.prepare, req.texts, EmbeddingConfig(), False)
-            result = await batcher.run_exclusive(
-                lambda: service.routing(texts, req.config, req.prompt_name, req.dense, req.top_k)
-            )
-        return JSONResponse(result)
+            texts, lengths = await asyncio.to_thread(service.prepare, req.texts, config, False)
+            service.check_dense(lengths, req.dense)
+            items: list[Any] = [None] * len(texts)
+            done = 0
+            # forwards of at most max_routing_batch_tokens, each queued behind the embedding
+            # batches waiting by then: the forward thread takes turns between them and this request
+            for positions in cut_batches(lengths, settings.max_routing_batch_tokens):
+                if await request.is_disconnected():
+                    return dropped(request, "the routing", len(texts) - done)
+                chunk = [texts[i] for i in positions]
+                routed = await batcher.run_exclusive(
+                    functools.partial(service.route, chunk, positions, config, req.dense, req.top_k)
+                )
+                for i, item in zip(positions, routed):
+                    items[i] = item
+                done += len(positions)
+        return JSONResponse(service.routing_answer(config, items))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -457,16 +645,50 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return _Observed(app, metrics)
+    inner: Any = app if settings.api_key is None else _KeyCheck(app, settings.api_key)
+    return _Observed(inner, metrics, app.state)
+
+
+def _client(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "a client"
+
+
+class _KeyCheck:
+    """ASGI wrapper: every endpoint but :data:`OPEN_ENDPOINTS` needs ``Authorization: Bearer
+    <key>`` (the openai client sends its ``api_key`` so), compared in constant time; else 401."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self._key = app, key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path") not in OPEN_ENDPOINTS:
+            header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            scheme, _, token = (header or b"").partition(b" ")
+            if header is None or scheme.lower() != b"bearer":
+                problem = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+            elif not hmac.compare_digest(token.strip(), self._key):
+                problem = "the API key sent is not this server's"
+            else:
+                problem = None
+            if problem is not None:
+                message = (
+                    f"{problem} (the openai client: api_key=<key>; moee search --server: set "
+                    f"{API_KEY_ENV}); the key is the server's --api-key or {API_KEY_ENV}"
+                )
+                body = error_body(401, message, code="invalid_api_key")
+                response = JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Observed:
     """ASGI wrapper counting requests, error codes and latency per endpoint (it wraps ``send`` only,
     so disconnect detection inside the app is untouched)."""
 
-    def __init__(self, app: FastAPI, metrics: _Metrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.state = app.state
+    def __init__(self, app: Any, metrics: _Metrics, state: Any) -> None:
+        self.app, self.metrics, self.state = app, metrics, state
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -491,15 +713,126 @@ class _Observed:
                 m.errors.labels(endpoint, str(status["code"])).inc()
 
 
+def uvicorn_config(app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "info") -> Any:
+    """The ``uvicorn.Config`` that serves ``app`` under its settings' connection limits
+    (:func:`_bounded_protocol`): an idle connection closes after ``idle_timeout_s`` (before its
+    first request too), a request gets ``request_timeout_s`` to arrive whole (then 408), and a
+    connection beyond ``max_connections`` gets 503. ``moee serve`` and :func:`serve_in_thread`
+    run every server with it."""
+    import uvicorn
+
+    settings: ServerSettings = app.state.service.settings
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=_bounded_protocol(settings),
+        timeout_keep_alive=settings.idle_timeout_s,
+        timeout_graceful_shutdown=None,
+    )
+
+
+def _bounded_protocol(settings: ServerSettings) -> type:
+    """uvicorn's h11 protocol with the bounds it lacks. A new connection that sends nothing is
+    closed after the keep-alive timeout, like one idle between requests (uvicorn arms that timer
+    only after a response). A request whose headers and body have not all arrived
+    ``request_timeout_s`` after its first byte gets 408 and the connection is closed (uvicorn
+    waits for ever: a client could hold any number of connections open with half a request). A
+    connection beyond ``max_connections`` has its request answered 503 and is closed (uvicorn's
+    own limit answers without saying which limit)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    timeout = settings.request_timeout_s
+    receiving = (h11.IDLE, h11.SEND_BODY)
+    late = error_body(
+        408,
+        f"the request did not arrive whole within {timeout:g} s (moee serve "
+        f"{flag_of('request_timeout_s')} raises the limit)",
+        code="request_timeout",
+    )
+    late_body = json.dumps(late).encode("utf-8")
+    late_response = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        + f"content-length: {len(late_body)}\r\n\r\n".encode("ascii")
+        + late_body
+    )
+    full = error_body(
+        503,
+        f"the server has {_over(settings.max_connections, 'open connections', 'max_connections')}; "
+        "retry later",
+        code="too_many_connections",
+    )
+
+    async def refuse(scope, receive, send) -> None:
+        await JSONResponse(full, status_code=503, headers={"connection": "close"})(scope, receive, send)
+
+    class BoundedH11Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > settings.max_connections:
+                self.app = refuse
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _watch(self) -> None:
+            """Arm the deadline when a request has begun to arrive; disarm it once it has."""
+            state = self.conn.their_state
+            begun = state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
+            if not begun:
+                self._disarm()
+            elif self._deadline is None:
+                self._deadline = self.loop.call_later(timeout, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing() or self.conn.their_state not in receiving:
+                return
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            self.logger.info(
+                "%s: closed, its request did not arrive whole within %g s (%s)",
+                client,
+                timeout,
+                flag_of("request_timeout_s"),
+            )
+            if self.cycle is None or not self.cycle.response_started:
+                self.transport.write(late_response)
+            self.transport.close()
+
+    return BoundedH11Protocol
+
+
 @contextlib.contextmanager
 def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-    """Run ``app`` with uvicorn on a background thread (port 0: a free one) and yield its base URL
-    (``http://host:port``); stops it, draining, on exit. For tests, benchmarks and notebooks."""
+    """Run ``app`` with uvicorn (:func:`uvicorn_config`) on a background thread (port 0: a free
+    one) and yield its base URL (``http://host:port``); stops it, draining, on exit. For tests,
+    benchmarks and notebooks."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, name="moee-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from moee.embed.config import EmbeddingConfig
+from moee.serving.settings import API_KEY_ENV
 
 __all__ = ["ServerClient", "request_fields"]
 
@@ -27,22 +29,26 @@ def request_fields(config: EmbeddingConfig) -> dict[str, Any]:
 
 class ServerClient:
     """``GET /v1/models`` and ``POST /v1/embeddings`` of the server at ``url`` (e.g.
-    ``http://127.0.0.1:8080``); every failure is a ``ValueError`` naming the server and its message."""
+    ``http://127.0.0.1:8080``); every failure is a ``ValueError`` naming the server and its message.
+    ``api_key``: the server's key (default: the ``MOEE_API_KEY`` environment variable, as ``moee
+    serve`` reads it), sent as ``Authorization: Bearer``."""
 
-    def __init__(self, url: str, *, timeout: float = 120.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 120.0, api_key: str | None = None) -> None:
         url = url.rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--server {url!r} must be an http(s) URL, e.g. http://127.0.0.1:8080")
         self.url, self.timeout = url, timeout
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._card: dict[str, Any] | None = None
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode("utf-8")
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"content-type": "application/json"}
-        )
+        headers = {"content-type": "application/json"}
+        if self._api_key is not None:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read())

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,6 +44,10 @@ __all__ = [
     "EmbeddingsRequest",
     "RoutingRequest",
     "CONFIG_FIELDS",
+    "CONFIG_TYPES",
+    "MAX_DEPTH",
+    "MAX_NUMBER",
+    "check_values",
     "encode_vector",
     "error_body",
     "parse_json",
@@ -71,15 +77,127 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+#: The deepest nesting a request body may have (the deepest field, ``rw_layers`` as a list of
+#: ``[layer, weight]`` pairs, has 3 levels).
+MAX_DEPTH = 16
+#: The largest magnitude of a number in a request: no field takes more (layer indices, widths,
+#: ``top_k``, weights, ``alpha``), and the bound keeps every product of them finite.
+MAX_NUMBER = 1_000_000
+
+
+@dataclass(frozen=True)
+class _Unfit:
+    """A JSON number the parser keeps as its text, for :func:`check_values` to refuse by field:
+    ``NaN`` / ``Infinity`` (not JSON), a float beyond float range, an integer too long to convert."""
+
+    text: str
+
+
+def _parse_int(text: str) -> int | _Unfit:
+    return int(text) if len(text) <= 20 else _Unfit(text)
+
+
+def _parse_float(text: str) -> float | _Unfit:
+    value = float(text)
+    return value if math.isfinite(value) else _Unfit(text)
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (400 otherwise)."""
+    """The request body as a JSON object whose every value passes :func:`check_values` (400
+    naming the field otherwise): strict JSON, whatever a client sends."""
     try:
-        doc = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        doc = json.loads(body, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_Unfit)
+    except RecursionError:
+        field = _deep_field(body)
+        raise ApiError(
+            400,
+            f"{_quoted(field) if field else 'the request body'} {_TOO_DEEP}",
+            param=field,
+            code="invalid_json",
+        ) from None
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8 (UnicodeDecodeError)
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(doc, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(doc).__name__}")
+    check_values(doc)
     return doc
+
+
+_TOO_DEEP = f"nests deeper than any field of this API (at most {MAX_DEPTH} levels)"
+_NUMBERS = f"numbers in a request are at most {MAX_NUMBER:,} in magnitude"
+
+
+def _quoted(name: str) -> str:
+    """A field name as messages show it (escaped: a message must encode as UTF-8)."""
+    return json.dumps(name)[1:-1]
+
+
+def _problem(value: Any, depth: int) -> str | None:
+    """What is wrong with one JSON value whatever its field (``None``: nothing)."""
+    if depth > MAX_DEPTH:
+        return _TOO_DEEP
+    if isinstance(value, _Unfit):
+        if value.text.lstrip("-") in ("NaN", "Infinity"):
+            return f"is {value.text}, which is not JSON; give a finite number ({_NUMBERS})"
+        digits = len(value.text.lstrip("-"))
+        shown = f"a {digits}-digit integer" if digits > 20 else value.text
+        return f"is {shown}; {_NUMBERS}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+        return f"is {value:g}; {_NUMBERS}"
+    if isinstance(value, str) and not value.isascii() and not _is_unicode(value):
+        return "contains a lone surrogate (a half of a UTF-16 pair): it is not Unicode text; send UTF-8 text"
+    return None
+
+
+def check_values(doc: dict[str, Any]) -> None:
+    """Refuse, naming the field and where in it, any value no field of this API takes: nesting
+    over :data:`MAX_DEPTH`, a number that is not finite or beyond :data:`MAX_NUMBER` (``NaN``,
+    ``Infinity``, ``1e400``, ``1e308``, a 5,000-digit integer), a string or key that is not
+    Unicode text (a lone surrogate, which no tokenizer or UTF-8 encoder takes). Runs before any
+    field is read, so no such value reaches the model (or an error message) to become a 500."""
+    stack: list[tuple[str, str, Any, int]] = [(key, _quoted(key), value, 1) for key, value in doc.items()]
+    stack += [(key, f"the field name {json.dumps(key)}", key, 1) for key in doc]
+    while stack:
+        field, where, value, depth = stack.pop()
+        problem = _problem(value, depth)
+        if problem is not None:
+            raise ApiError(400, f"{where} {problem}", param=field if _is_unicode(field) else None)
+        if isinstance(value, dict):
+            stack.extend((field, f"{where}[{json.dumps(k)}]", v, depth + 1) for k, v in value.items())
+            stack.extend((field, f"{where} key {json.dumps(k)}", k, depth + 1) for k in value)
+        elif isinstance(value, list):
+            stack.extend((field, f"{where}[{i}]", v, depth + 1) for i, v in enumerate(value))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _deep_field(body: bytes) -> str | None:
+    """The top-level field whose value nests too deeply for the JSON parser (only read when it
+    failed): the last string at depth 1 before a bracket opens there is that bracket's key."""
+    depth, key = 0, None
+    for match in _TOKEN.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return key
+        elif token in (b"]", b"}"):
+            depth -= 1
+        elif depth == 1:
+            try:
+                key = json.loads(token)
+            except ValueError:
+                key = None
+    return None
 
 
 def _inputs(doc: dict[str, Any]) -> tuple[list[str], bool]:
@@ -116,11 +234,60 @@ def _unknown(doc: dict[str, Any], allowed: frozenset[str]) -> None:
         )
 
 
-def _bool(doc: dict[str, Any], name: str, default: bool) -> bool:
+#: JSON types by the Python type names of field annotations (``float`` takes an integer too).
+_JSON_OF = {"str": (str,), "None": (type(None),), "float": (int, float), "int": (int,), "bool": (bool,)}
+_JSON_OF.update(tuple=(list,), list=(list,), dict=(dict,))
+_JSON_NAMES = {
+    str: "a string",
+    type(None): "null",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+}
+_JSON_NAMES.update({list: "a list", dict: "an object"})
+#: Request forms a configuration field takes beyond its annotation's (``rw_layers`` as
+#: ``{"layer": weight}``; the command line's text forms ``"2:4"``, ``"0:1.0,3:0.5"``).
+_REQUEST_FORMS: dict[str, tuple[type, ...]] = {"rw_layers": (dict, str), "hs_layer": (str,)}
+
+
+def _json_types(annotation: str) -> tuple[type, ...]:
+    """The JSON types of an annotation such as ``"int | tuple[int, int] | None"`` (its top-level
+    union members; element types are the configuration's own check)."""
+    while "[" in annotation:  # the element types go, innermost first
+        annotation = re.sub(r"\[[^\[\]]*\]", "", annotation)
+    members = annotation.split("|")
+    return tuple(t for m in members for t in _JSON_OF[m.strip()])
+
+
+#: Each configuration field's JSON types, from ``EmbeddingConfig``'s annotations: a new field is
+#: type-checked without an entry here.
+CONFIG_TYPES = {
+    f.name: _json_types(str(f.type)) + _REQUEST_FORMS.get(f.name, ()) for f in fields(EmbeddingConfig)
+}
+
+
+def _typed(doc: dict[str, Any], name: str, types: tuple[type, ...], default: Any = None) -> Any:
+    """``doc[name]`` (``default`` when absent), refused with a 400 naming the field unless it is
+    one of the JSON ``types`` (``true`` is not a number here, though Python's bool is an int)."""
     value = doc.get(name, default)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", param=name)
+    if value is None and name not in doc:
+        return value
+    kind = bool if isinstance(value, bool) else type(value)
+    if kind not in types:
+        shown = [t for t in types if not (t is int and float in types)]  # a number covers an integer
+        wanted = " or ".join(dict.fromkeys(_JSON_NAMES[t] for t in shown))
+        raise ApiError(
+            400, f"'{name}' must be {wanted}, got {_JSON_NAMES.get(kind, kind.__name__)}", param=name
+        )
     return value
+
+
+def _bool(doc: dict[str, Any], name: str, default: bool) -> bool:
+    return _typed(doc, name, (bool,), default)
+
+
+def _optional_str(doc: dict[str, Any], name: str) -> str | None:
+    return _typed(doc, name, (str, type(None)))
 
 
 @dataclass(frozen=True)
@@ -136,49 +303,45 @@ class EmbeddingsRequest:
     truncate: bool
 
 
-def _config_fields(doc: dict[str, Any]) -> dict[str, Any]:
-    given = {k: doc[k] for k in CONFIG_FIELDS if k in doc}
-    if isinstance(given.get("prompt"), list):
-        given["prompt"] = tuple(given["prompt"])
-    if isinstance(given.get("hs_layer"), list):
-        given["hs_layer"] = tuple(given["hs_layer"])
+def _config_fields(doc: dict[str, Any], names: tuple[str, ...] = CONFIG_FIELDS) -> dict[str, Any]:
+    """The configuration fields ``doc`` gives, each of its JSON types (:data:`CONFIG_TYPES`), in
+    the forms ``EmbeddingConfig`` takes (lists as tuples, ``rw_layers`` keys as layer indices)."""
+    given = {k: _typed(doc, k, CONFIG_TYPES[k]) for k in names if k in doc}
+    for name in ("prompt", "hs_layer"):
+        if isinstance(given.get(name), list):
+            given[name] = tuple(given[name])
     rw = given.get("rw_layers")
     if isinstance(rw, dict):
         try:
             given["rw_layers"] = {int(k): v for k, v in rw.items()}
         except ValueError:
-            raise ApiError(400, "'rw_layers' keys must be layer indices", param="rw_layers") from None
+            raise ApiError(
+                400, "'rw_layers' keys must be layer indices, e.g. {\"0\": 1.0}", param="rw_layers"
+            ) from None
     elif isinstance(rw, list):
-        given["rw_layers"] = tuple(rw)
-    if "normalize" in given and not isinstance(given["normalize"], bool):
-        raise ApiError(400, "'normalize' must be true or false", param="normalize")
+        given["rw_layers"] = tuple(tuple(v) if isinstance(v, list) else v for v in rw)
     return given
 
 
 def parse_embeddings_request(doc: dict[str, Any]) -> EmbeddingsRequest:
     _unknown(doc, _EMBED_FIELDS)
     texts, _ = _inputs(doc)
-    fmt = doc.get("encoding_format", "float")
+    fmt = _typed(doc, "encoding_format", (str,), "float")
     if fmt not in ("float", "base64"):
         raise ApiError(
             400, f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", param="encoding_format"
         )
-    dims = doc.get("dimensions")
-    if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+    dims = _typed(doc, "dimensions", (int, type(None)))
+    if dims is not None and dims < 1:
         raise ApiError(400, f"'dimensions' must be a positive integer, got {dims!r}", param="dimensions")
-    model = doc.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string", param="model")
-    name = doc.get("prompt_name")
-    if name is not None and not isinstance(name, str):
-        raise ApiError(400, "'prompt_name' must be a string", param="prompt_name")
+    _optional_str(doc, "user")
     return EmbeddingsRequest(
         texts=texts,
-        model=model,
+        model=_optional_str(doc, "model"),
         encoding_format=fmt,
         dimensions=dims,
         config=_config_fields(doc),
-        prompt_name=name,
+        prompt_name=_optional_str(doc, "prompt_name"),
         truncate=_bool(doc, "truncate", False),
     )
 
@@ -198,17 +361,18 @@ class RoutingRequest:
 def parse_routing_request(doc: dict[str, Any]) -> RoutingRequest:
     _unknown(doc, _ROUTING_FIELDS)
     texts, _ = _inputs(doc)
-    top_k = doc.get("top_k", 2)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    top_k = _typed(doc, "top_k", (int,), 2)
+    if top_k < 1:
         raise ApiError(400, f"'top_k' must be a positive integer, got {top_k!r}", param="top_k")
-    config = {k: doc[k] for k in ("prompt", "score") if k in doc}
-    if isinstance(config.get("prompt"), list):
+    config = _config_fields(doc, ("prompt", "score"))
+    if isinstance(config.get("prompt"), tuple):
         raise ApiError(400, "routing runs one prompt: give one name or template, not a list", param="prompt")
+    _optional_str(doc, "user")
     return RoutingRequest(
         texts=texts,
-        model=doc.get("model"),
+        model=_optional_str(doc, "model"),
         config=config,
-        prompt_name=doc.get("prompt_name"),
+        prompt_name=_optional_str(doc, "prompt_name"),
         dense=_bool(doc, "dense", False),
         top_k=top_k,
     )

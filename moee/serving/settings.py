@@ -1,0 +1,143 @@
+"""The settings of ``moee serve``: one :class:`ServerSettings` field per flag (``moee.cli_options``
+builds the flags from the fields' metadata), so the library and the command line share one list
+of names, defaults and help texts. Standard library only: the command line's parser imports it
+without the ``serve`` extra."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+__all__ = ["API_KEY_ENV", "ServerSettings", "flag_of"]
+
+#: The environment variable ``moee serve`` reads the API key from when ``--api-key`` is not given
+#: (an environment variable does not show in the process list, a command-line argument does).
+API_KEY_ENV = "MOEE_API_KEY"
+
+
+def flag_of(name: str) -> str:
+    """The ``moee serve`` flag of a :class:`ServerSettings` field, for messages that name the fix."""
+    return "--" + name.replace("_", "-")
+
+
+def _limit(help_text: str, **extra: object) -> dict[str, object]:
+    return {"help": help_text, "type": int, "metavar": "N", "group": "serve-limits", **extra}
+
+
+def _seconds(help_text: str) -> dict[str, object]:
+    return {"help": help_text, "type": float, "metavar": "S", "group": "serve-connections"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's limits, access rules and connection timeouts (``moee serve`` flags of the same
+    names). Every default bounds what one request or one client can cost."""
+
+    max_batch_tokens: int = field(
+        default=16384, metadata=_limit("padded tokens (rows x longest) per forward")
+    )
+    max_routing_batch_tokens: int = field(
+        default=1024,
+        metadata=_limit(
+            "padded tokens per routing forward: routing takes turns with the embedding batches, so an "
+            "embedding request waits for at most one such forward"
+        ),
+    )
+    max_concurrent_requests: int = field(
+        default=512, metadata=_limit("requests admitted at once; more get 429")
+    )
+    max_inputs_per_request: int = field(default=2048, metadata=_limit("inputs per request; more get 413"))
+    max_chars_per_input: int = field(
+        default=100_000, metadata=_limit("characters per input; a longer input gets 413")
+    )
+    max_tokens_per_input: int | None = field(
+        default=None,
+        metadata=_limit(
+            "tokens per input; longer inputs get 400 unless the request sends truncate=true",
+            default_text="no limit, a text is cut to the model's maximum length as `encode` cuts it",
+        ),
+    )
+    max_tokens_per_request: int = field(
+        default=300_000,
+        metadata=_limit("tokens of all inputs of one request, as the forwards count them; more get 413"),
+    )
+    max_request_bytes: int = field(
+        default=16 * 2**20, metadata=_limit("bytes of one request body; a larger body gets 413")
+    )
+    max_dense_routing_values: int = field(
+        default=1_000_000,
+        metadata=_limit(
+            'floats of a "dense": true routing response (tokens x MoE layers x experts); more get 413'
+        ),
+    )
+    batch_wait_ms: float = field(
+        default=2.0,
+        metadata={
+            "help": "how long a batch waits for more requests to join it",
+            "type": float,
+            "metavar": "MS",
+            "group": "serve-limits",
+        },
+    )
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
+            f"otherwise; the openai client's api_key sends it); prefer the {API_KEY_ENV} environment "
+            "variable, which other users cannot read from the process list",
+            "metavar": "KEY",
+            "default_text": f"${API_KEY_ENV}, else no key",
+            "group": "serve-access",
+        },
+    )
+    enable_routing: bool = field(
+        default=False,
+        metadata={
+            "help": "serve POST /v1/routing (off by default: a text's routes reveal most of its tokens)",
+            "group": "serve-access",
+        },
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata={
+            "help": "open connections at once; the request of one beyond gets 503",
+            "type": int,
+            "metavar": "N",
+            "group": "serve-connections",
+        },
+    )
+    idle_timeout_s: float = field(
+        default=5.0, metadata=_seconds("seconds a connection may stay idle (before or between requests)")
+    )
+    request_timeout_s: float = field(
+        default=30.0,
+        metadata=_seconds("seconds a request may take to arrive whole (headers and body); then 408"),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model id clients send",
+            "metavar": "NAME",
+            "default_text": "the model's folder name",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and not (value is None and f.type == "int | None"):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"{f.name} ({flag_of(f.name)}) must be a positive integer, got {value!r}"
+                    )
+            elif f.type == "float":
+                least = 0.0 if f.name == "batch_wait_ms" else 1e-3
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"{f.name} ({flag_of(f.name)}) must be a finite number, got {value!r}")
+                if value < least:
+                    raise ValueError(f"{f.name} ({flag_of(f.name)}) must be >= {least:g}, got {value!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError(
+                f"api_key (--api-key / ${API_KEY_ENV}) must be a non-empty string; leave it unset for no key"
+            )
