@@ -239,7 +239,7 @@ def _slow_routes(embedder, monkeypatch, seconds: float) -> list[int]:
 
 
 def test_a_long_routing_request_does_not_hold_embeddings_up(embedder, monkeypatch) -> None:
-    routed = _slow_routes(embedder, monkeypatch, 0.05)
+    routed = _slow_routes(embedder, monkeypatch, 0.1)
     texts = _texts(40, seed=6)
     settings = ServerSettings(enable_routing=True, max_routing_batch_tokens=64)
     with serve_in_thread(create_app(embedder, settings)) as url:

@@ -666,15 +666,15 @@ class _KeyCheck:
             header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
             scheme, _, token = (header or b"").partition(b" ")
             if header is None or scheme.lower() != b"bearer":
-                problem = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+                problem = "this server needs an API key in the header 'Authorization: Bearer <key>'"
             elif not hmac.compare_digest(token.strip(), self._key):
                 problem = "the API key sent is not this server's"
             else:
                 problem = None
             if problem is not None:
                 message = (
-                    f"{problem} (the openai client: api_key=<key>; moee search --server: set "
-                    f"{API_KEY_ENV}); the key is the server's --api-key or {API_KEY_ENV}"
+                    f"{problem}: use the key the server was started with (--api-key or {API_KEY_ENV}); "
+                    f"the openai client sends its api_key so, moee search --server sends {API_KEY_ENV}"
                 )
                 body = error_body(401, message, code="invalid_api_key")
                 response = JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})

@@ -1,5 +1,8 @@
 """The server's JSON protocol: request parsing (every mistake a 4xx naming the field and the fix)
-and response shapes.
+and response shapes. Every body is strict JSON checked before any field is read
+(:func:`check_values`: nesting, number range, ``NaN`` / ``Infinity``, lone surrogates), and each
+field has its JSON types (the configuration fields' from ``EmbeddingConfig``'s annotations,
+:data:`CONFIG_TYPES`), so no client mistake reaches the model as a 500.
 
 ``POST /v1/embeddings`` takes the OpenAI schema (``input``, ``model``, ``encoding_format``
 ``float`` | ``base64`` (little-endian float32, the official client's default), ``dimensions``,
@@ -11,7 +14,7 @@ refusing them). Fields left out come from the model's configuration, resolved as
 resolves them (:func:`moee.embed.config.resolve_config`); the response's ``moee_config`` is the
 configuration used (``EmbeddingConfig.to_dict()``).
 
-``POST /v1/routing`` takes ``input``, ``model``, ``prompt``, ``prompt_name``, ``score``, ``dense``
+``POST /v1/routing`` (served only by ``moee serve --enable-routing``) takes ``input``, ``model``, ``prompt``, ``prompt_name``, ``score``, ``dense``
 (also return every token's dense distribution over all experts) and answers, per text::
 
     {"index": 0, "tokens": ["The", " cat"], "token_ids": [464, 3797],
