@@ -85,7 +85,8 @@ class ServerSettings:
         metadata={
             "help": "require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
             f"otherwise; the openai client's api_key sends it); prefer the {API_KEY_ENV} environment "
-            "variable, which other users cannot read from the process list",
+            "variable, which other users cannot read from the process list. The server speaks plain "
+            "HTTP: beyond this machine, put a TLS proxy in front so the key is not sent in the clear",
             "metavar": "KEY",
             "default_text": f"${API_KEY_ENV}, else no key",
             "group": "serve-access",
