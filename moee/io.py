@@ -504,14 +504,18 @@ def _acquire(lock: Path, path: str | Path, what: str) -> int | None:
         os.close(fd)
 
 
-def check_output_path(path: str | Path, *, overwrite: bool, what: str = "--out") -> Path:
+def check_output_path(
+    path: str | Path, *, overwrite: bool, what: str = "--out", inputs: dict[str, Any] | None = None
+) -> Path:
     """Refuse an output file that could not be written, before any work is done.
 
-    A directory, an existing file (unless ``overwrite``), an output another writer holds, and a
-    parent that cannot be created or written to are errors naming the path (``what``: the flag);
-    the check writes and removes a probe file.
+    One of the command's ``inputs`` (:func:`check_not_an_input`, even with ``overwrite``: the
+    output would replace what the command reads), a directory, an existing file (unless
+    ``overwrite``), an output another writer holds, and a parent that cannot be created or written
+    to are errors naming the path (``what``: the flag); the check writes and removes a probe file.
     """
     path = Path(path)
+    check_not_an_input(path, inputs, what=what, folder=False)
     if path.is_dir():
         raise IsADirectoryError(f"{what} {path} is a directory; give the path of a file")
     if path.exists() and not overwrite:
@@ -895,6 +899,7 @@ def npy_shape(path: str | Path) -> tuple[int, ...]:
 
 __all__ = [
     "EmbeddingWriter",
+    "PARQUET_OUTPUT",
     "PARQUET_SIDECAR",
     "is_parquet_embeddings",
     "read_embeddings_table",
@@ -907,8 +912,13 @@ __all__ = [
     "read_part_records",
     "read_part_texts",
     "split_input",
+    "FolderOutput",
+    "OUTPUT_RECORD",
     "StagedFolder",
+    "check_not_an_input",
     "check_output_folder",
+    "previous_output_files",
+    "read_output_record",
     "commit_folder",
     "match_folder_modes",
     "staging_folder",
@@ -944,16 +954,133 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------
-# output folders (upcycled models, reports, checkpoints)
+# output folders (upcycled models, reports, ablation results, Parquet embeddings)
 # ----------------------------------------------------------------------------------------
-def check_output_folder(path: str | Path, *, overwrite: bool, what: str = "--out") -> Path:
-    """Refuse an output folder before any work: an existing file (a folder is expected, even with
-    ``overwrite``), a non-empty folder without ``overwrite``, a parent that cannot be written."""
+#: The record a folder output keeps of the files its command wrote there: what the next
+#: ``--overwrite`` of that command removes (and nothing else). Hidden, so listings, Hugging Face
+#: loaders and Parquet readers skip it.
+OUTPUT_RECORD = ".moee-output.json"
+OUTPUT_RECORD_FORMAT = "moee-output/1"
+
+
+@dataclass(frozen=True)
+class FolderOutput:
+    """What one command writes as a folder: the ``writer`` recorded in :data:`OUTPUT_RECORD`
+    (``"moee upcycle"``), the names its files had before the record existed (``owned``: names or
+    glob patterns of the folder's top level, counted only in a folder without a record and, when
+    ``marker`` is set, only where that file is; a folder of another kind never loses a file that
+    merely matches), and the files a reader opens first (``last``: committed after every other
+    file, so an interrupted commit leaves no folder a reader takes for finished)."""
+
+    writer: str
+    owned: tuple[str, ...] = ()
+    marker: str | None = None
+    last: tuple[str, ...] = ()
+
+
+#: What a Parquet embeddings folder holds (``moee embed --engine ray``, ``moee embed --merge DIR
+#: --out FOLDER``): its ``*.parquet`` files are the embeddings' wherever the sidecar is (a reader
+#: takes every one of them), and the sidecar lands last.
+PARQUET_OUTPUT = FolderOutput(
+    "moee embed", owned=("*.parquet", PARQUET_SIDECAR), marker=PARQUET_SIDECAR, last=(PARQUET_SIDECAR,)
+)
+
+
+def _as_paths(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [value]
+    return [v for v in value if v is not None]
+
+
+def check_not_an_input(
+    out: str | Path, inputs: dict[str, Any] | None, *, what: str = "--out", folder: bool = True
+) -> None:
+    """Refuse an output that is one of the command's inputs or, for a folder output, holds one or
+    lies inside an input folder: replacing the output would replace or delete what the command
+    reads (``moee upcycle dense --out dense --overwrite`` would lose the dense weights).
+
+    ``inputs`` maps how each input is named (``"SRC"``, ``"--corpus"``) to a path, a list of
+    paths or ``None``; a name that is no local path (a Hub id) has nothing on disk to lose and is
+    skipped. Paths are compared after resolving symbolic links. The error names both paths and
+    the fix."""
+    out = Path(out).expanduser()
+    target = out.resolve()
+    for label, value in (inputs or {}).items():
+        for given in _as_paths(value):
+            path = Path(given).expanduser()
+            if not path.exists():
+                continue
+            real = path.resolve()
+            if real == target or (out.exists() and os.path.samefile(out, path)):
+                relation = "is"
+            elif folder and target in real.parents:
+                relation = "holds"
+            elif folder and path.is_dir() and real in target.parents:
+                relation = "lies inside"
+            else:
+                continue
+            kind = "folder" if folder else "file"
+            raise ValueError(
+                f"{what} {out} {relation} the input {label} {given}: writing the output there could "
+                f"replace or delete what the command reads; give {what} a {kind} that is not an "
+                "input, holds none and lies inside none (e.g. a new folder beside it)"
+            )
+
+
+def read_output_record(folder: str | Path) -> dict[str, Any] | None:
+    """The :data:`OUTPUT_RECORD` of ``folder`` (``None`` without one), checked: its ``files`` are
+    relative paths inside the folder, so a changed record can never point a removal elsewhere."""
+    path = Path(folder) / OUTPUT_RECORD
+    if not path.is_file():
+        return None
+    remedy = "remove it; --overwrite then replaces only the files the command knows by name"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); {remedy}") from None
+    files = record.get("files") if isinstance(record, dict) else None
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != OUTPUT_RECORD_FORMAT
+        or not isinstance(record.get("writer"), str)
+        or not isinstance(files, list)
+    ):
+        raise ValueError(f"{path} is not a moee output record (format {OUTPUT_RECORD_FORMAT}); {remedy}")
+    for name in files:
+        parts = Path(name).parts if isinstance(name, str) else ()
+        if not parts or Path(name).is_absolute() or ".." in parts or name == OUTPUT_RECORD:
+            raise ValueError(f"{path} lists {name!r}, not a file inside the folder; {remedy}")
+    return record
+
+
+def check_output_folder(
+    path: str | Path,
+    *,
+    overwrite: bool,
+    what: str = "--out",
+    inputs: dict[str, Any] | None = None,
+    output: FolderOutput | None = None,
+) -> Path:
+    """Refuse an output folder before any work: one that is, holds or lies inside one of
+    ``inputs`` (:func:`check_not_an_input`, even with ``overwrite``), an existing file (a folder
+    is expected), a non-empty folder without ``overwrite``, a folder holding the output of
+    another command than ``output``'s (its files are not this command's to replace), a parent
+    that cannot be written."""
     path = Path(path)
+    check_not_an_input(path, inputs, what=what)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{what} {path} is a file, not a folder; give a folder path (or remove it)")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{what} {path} exists and is not empty; pass --overwrite to replace it")
+    if output is not None and path.is_dir():
+        record = read_output_record(path)
+        if record is not None and record["writer"] != output.writer:
+            raise FileExistsError(
+                f"{what} {path} holds the output of `{record['writer']}` ({path / OUTPUT_RECORD}); "
+                f"`{output.writer}` does not replace another command's files: choose another folder"
+            )
     parent = path.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -983,8 +1110,6 @@ def match_folder_modes(root: str | Path) -> None:
 def staging_folder(target: str | Path) -> Path:
     """A new, empty folder with a unique hidden name beside ``target`` (``.NAME.tmp-XXXXXXXX``),
     made with ``mkdir()`` so it gets the umask's mode; nothing there is ever taken for a result."""
-    import secrets
-
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -996,37 +1121,105 @@ def staging_folder(target: str | Path) -> Path:
             continue
 
 
-def commit_folder(staging: str | Path, target: str | Path) -> Path:
-    """Move a finished ``staging`` folder to ``target`` by rename, file modes as the umask gives.
+def _files_under(root: Path) -> list[str]:
+    """Every file (or link) under ``root`` as a sorted relative POSIX path."""
+    found = []
+    for sub, _, files in os.walk(root):
+        found += [(Path(sub) / name).relative_to(root).as_posix() for name in files]
+    return sorted(found)
 
-    An existing ``target`` folder is first renamed aside under a unique hidden name and deleted
-    after the new one is in place: a crash in between leaves no ``target`` (and hidden leftovers),
-    never the old folder's files mixed with the new one's.
+
+def previous_output_files(target: str | Path, output: FolderOutput) -> list[str]:
+    """The files of ``target`` its command's previous run wrote: those its :data:`OUTPUT_RECORD`
+    lists, or in a folder without a record (written before records existed) the top-level files
+    named by ``output.owned`` (only where ``output.marker`` is, when set). Only these are ever
+    removed; every other file stays."""
+    target = Path(target)
+    record = read_output_record(target)
+    if record is not None:
+        if record["writer"] != output.writer:
+            raise FileExistsError(
+                f"{target} holds the output of `{record['writer']}`; `{output.writer}` does not replace it"
+            )
+        names = record["files"]
+    elif output.marker is None or (target / output.marker).is_file():
+        names = [p.name for pattern in output.owned for p in target.glob(pattern)]
+    else:
+        names = []
+    return sorted({n for n in names if (target / n).is_file() or (target / n).is_symlink()})
+
+
+def _write_record(folder: Path, output: FolderOutput, files: list[str], complete: bool) -> None:
+    record = {"format": OUTPUT_RECORD_FORMAT, "writer": output.writer, "complete": complete, "files": files}
+    write_json_atomic(folder / OUTPUT_RECORD, record)
+
+
+def commit_folder(staging: str | Path, target: str | Path, output: FolderOutput) -> Path:
+    """Move every file of a finished ``staging`` folder into ``target`` (file modes as the umask
+    gives), replacing the files the previous run of the same command wrote there and nothing else.
+
+    A new ``target`` is the staging folder renamed (one step: it appears complete or not at all).
+    Into an existing folder the files go one by one, under the output's lock: first the record
+    (:data:`OUTPUT_RECORD`) is rewritten to list the old and the new files, as not complete; then
+    the old run's files (:func:`previous_output_files`) are removed, the new ones renamed in,
+    ``output.last`` last, and the record rewritten with the new files. Why not rename the staging
+    folder over ``target`` as a whole, carrying the user's files across: that moves files that are
+    not the command's, and a crash in between leaves them inside a hidden folder that the next
+    cleanup deletes. Per file, a user's file is never moved, and a crash at any point leaves a
+    folder without the file a reader opens first (the old one is removed before any new file
+    lands, the new one lands last), never old files beside new ones that read as one result; the
+    record, written first, lists every file that may be the command's, so the next
+    ``--overwrite`` clears them all. A staged file whose place in ``target`` is a folder is an
+    error before anything changes.
     """
-    import secrets
     import shutil
 
     staging, target = Path(staging), Path(target)
-    match_folder_modes(staging)
-    old = None
-    if target.is_dir():
-        old = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
-        os.replace(target, old)
-    elif target.exists():
-        raise NotADirectoryError(f"{target} is a file, not a folder; it is not replaced")
-    os.replace(staging, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    new = [name for name in _files_under(staging) if name != OUTPUT_RECORD]
+    with output_lock(target):
+        if not target.exists():
+            _write_record(staging, output, new, complete=True)
+            match_folder_modes(staging)
+            os.replace(staging, target)
+            return target
+        if not target.is_dir():
+            raise NotADirectoryError(f"{target} is a file, not a folder; it is not replaced")
+        match_folder_modes(staging)
+        for name in new:  # a folder where a file goes, or a file where a folder goes: refused now
+            blocked = [target / a for a in Path(name).parents[:-1] if (target / a).is_file()]
+            if (target / name).is_dir() and not (target / name).is_symlink():
+                blocked.append(target / name)
+            if blocked:
+                raise IsADirectoryError(
+                    f"cannot write {target / name}: {blocked[0]} is in the way; move it, or choose "
+                    "another output folder"
+                )
+        old = previous_output_files(target, output)
+        _write_record(target, output, sorted(set(old) | set(new)), complete=False)
+        for name in old:
+            (target / name).unlink(missing_ok=True)
+            for above in Path(name).parents[:-1]:  # folders the old run made and left empty
+                try:
+                    (target / above).rmdir()
+                except OSError:
+                    break
+        for name in [n for n in new if n not in output.last] + [n for n in output.last if n in new]:
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / name, target / name)
+        _write_record(target, output, new, complete=True)
+    shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
 class StagedFolder:
-    """``with StagedFolder(out) as tmp:`` write every file of a result folder into ``tmp``; on a
-    clean exit it replaces ``out`` (:func:`commit_folder`), on an error it is deleted. A run
-    killed midway leaves only a hidden ``.NAME.tmp-*`` folder, never an ``out`` that looks done."""
+    """``with StagedFolder(out, output) as tmp:`` write every file of a result folder into ``tmp``;
+    on a clean exit its files replace the previous run's in ``out`` (:func:`commit_folder`; a
+    user's other files stay), on an error it is deleted. A run killed midway leaves only a hidden
+    ``.NAME.tmp-*`` folder, never an ``out`` that looks done."""
 
-    def __init__(self, target: str | Path) -> None:
+    def __init__(self, target: str | Path, output: FolderOutput) -> None:
         self.target = Path(target)
+        self.output = output
         self.path: Path | None = None
 
     def __enter__(self) -> Path:
@@ -1037,6 +1230,6 @@ class StagedFolder:
         import shutil
 
         if exc_type is None:
-            commit_folder(self.path, self.target)
+            commit_folder(self.path, self.target, self.output)
         else:
             shutil.rmtree(self.path, ignore_errors=True)

@@ -383,12 +383,20 @@ def merge_shards(
     overwrite: bool = True,
 ) -> Path:
     """Interleave the shards of ``out_dir`` back into input order in ``out_path`` (under its lock,
-    through a temporary name unique to this merge; ``overwrite=False`` refuses an existing one)."""
+    through a temporary name unique to this merge; ``overwrite=False`` refuses an existing one).
+    A Parquet folder ``out_path`` that is, holds or lies inside ``out_dir`` or the shards' input is
+    refused before any shard is read; ``overwrite`` replaces the previous embeddings' files there
+    and keeps a user's other files (`moee.io.commit_folder`)."""
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{manifest_path} not found: {out_dir} is not a sharded embedding directory")
     manifest = json.loads(manifest_path.read_text())
+    if out_path is not None and Path(out_path).suffix != ".npy":  # a folder: refused before any read
+        from moee.io import PARQUET_OUTPUT, check_output_folder
+
+        inputs = {"--merge": out_dir, "the shards' input": manifest["input"]["path"]}
+        check_output_folder(out_path, overwrite=overwrite, inputs=inputs, output=PARQUET_OUTPUT)
     world = manifest["world"]
     problems = {r: shard_problem(out_dir, r, world, verify=True) for r in range(world)}
     problems = {r: p for r, p in problems.items() if p is not None}
@@ -512,9 +520,9 @@ def _merge_into(
         }
 
     if out_path.suffix != ".npy":  # a folder of Parquet files, as `moee embed --engine ray` writes
-        from moee.io import StagedFolder, write_parquet_sidecar
+        from moee.io import PARQUET_OUTPUT, StagedFolder, write_parquet_sidecar
 
-        with StagedFolder(out_path) as staging:
+        with StagedFolder(out_path, PARQUET_OUTPUT) as staging:
             _write_parquet_rows(staging, chunks)
             _record_merge(manifest_path, manifest, record)
             write_parquet_sidecar(staging, sidecar())

@@ -63,7 +63,10 @@ def test_an_existing_report_is_refused_without_overwrite_and_replaced_with_it(
     assert (out / "report.html").read_bytes() == html
     assert json.loads((out / "report.json").read_text())["meta"]["timestamp"] == first
     assert main(_argv(model_dir, corpus, out, "--overwrite", "--seed", "3")) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["report.html", "report.json"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "report.html",
+        "report.json",
+    ]
     assert "--seed 3" in json.loads((out / "report.json").read_text())["meta"]["command"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
 
@@ -90,7 +93,7 @@ def test_a_kill_while_writing_never_pairs_a_new_json_with_the_old_html(
 
     import moee.io
 
-    def killed_before_the_rename(staging, target):
+    def killed_before_the_rename(staging, target, output):
         raise SystemExit(9)
 
     monkeypatch.setattr(moee.io, "commit_folder", killed_before_the_rename)
@@ -108,21 +111,24 @@ def test_write_report_writes_both_files_in_one_commit(tmp_path, monkeypatch):
     seen = []
     real = moee.io.commit_folder
 
-    def spy(staging, target):
+    def spy(staging, target, output):
         seen.append(sorted(p.name for p in staging.iterdir()))
         assert not target.exists()
-        return real(staging, target)
+        return real(staging, target, output)
 
     monkeypatch.setattr(moee.io, "commit_folder", spy)
     report = {s.id: {} for s in report_mod.registry.SECTIONS}
     monkeypatch.setattr(report_mod, "render_html", lambda report, **options: "<html></html>")
     paths = report_mod.write_report(report, tmp_path / "rep")
     assert seen == [["report.html", "report.json"]] and paths["html"].read_text() == "<html></html>"
-    (tmp_path / "other").mkdir()
+    monkeypatch.setattr(moee.io, "commit_folder", real)
+    (tmp_path / "other").mkdir()  # a folder with a user's file: the report lands beside it
     (tmp_path / "other" / "embeddings.npy").write_bytes(b"x")
-    with pytest.raises(FileExistsError, match="holds files that are not a report"):
-        report_mod.write_report(report, tmp_path / "other")
+    with pytest.raises(FileExistsError, match="exists and is not empty; pass --overwrite"):
+        report_mod.write_report(report, tmp_path / "other", overwrite=False)
+    report_mod.write_report(report, tmp_path / "other")
     assert (tmp_path / "other" / "embeddings.npy").read_bytes() == b"x"
+    assert (tmp_path / "other" / "report.html").read_text() == "<html></html>"
 
 
 @pytest.mark.parametrize(

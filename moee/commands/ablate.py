@@ -22,12 +22,20 @@ Writes into ``--out``: ``importance.json`` + ``experts.csv`` + ``README.md`` (a 
 from the JSON, with the command), or ``swap.json`` + ``swap.csv`` + ``README.md``, or
 ``steering.json`` + ``README.md``. The corpus is read
 lazily up to ``--max-tokens`` tokens (chunks of ``--seq-len``); memory is one batch plus O(tokens).
+
+Every flag is checked before the first forward pass: a repeated layer, expert or steered expert,
+an ``--experts`` pair outside ``--layers``, a non-finite ``--steer`` bias, a layer or expert the
+model lacks. A non-empty ``--out`` needs ``--overwrite``, which removes the previous run's files
+(of any of the three analyses) and keeps a user's other files; an ``--out`` that is, holds or lies
+inside ``--model``, ``--corpus`` or ``--swap-from`` is refused. The files are staged beside
+``--out`` and committed when complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import shlex
 import sys
 from itertools import islice
@@ -35,7 +43,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from moee.io import FolderOutput
+
 OUTPUTS = ("importance.json", "experts.csv", "README.md", "swap.json", "swap.csv", "steering.json")
+#: What ``moee ablate`` writes (`moee.io.FolderOutput`), whichever analysis: ``--overwrite`` removes
+#: the previous run's files of any kind (and keeps a user's); the JSON result lands last.
+ABLATE_OUTPUT = FolderOutput(
+    "moee ablate", owned=OUTPUTS, last=("importance.json", "swap.json", "steering.json")
+)
 
 
 class _Expert(tuple):
@@ -65,9 +80,56 @@ def _pair(text: str) -> tuple[int, int]:
 def _steer(text: str) -> tuple[tuple[int, int], float]:
     try:
         pair, value = text.split("=")
-        return _Steer((_pair(pair), float(value)))
+        steer = _Steer((_pair(pair), float(value)))
     except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"expected LAYER:EXPERT=BIAS, got {text!r}") from None
+    if not math.isfinite(steer[1]):  # a NaN bias would poison every logit of the layer
+        raise argparse.ArgumentTypeError(f"BIAS must be a finite number, got {text!r}")
+    return steer
+
+
+def check_selection(args: argparse.Namespace) -> None:
+    """The expert selection flags, checked before the model loads: each of ``--layers``,
+    ``--experts`` and ``--steer`` names a layer or expert at most once (a repeat is refused rather
+    than merged: it would be measured and written twice, and a second ``--steer`` bias for the same
+    expert would silently replace the first; a repeat is more often a typo for another expert), and
+    every ``--experts`` pair lies in ``--layers`` when both are given (else the selection is not
+    what was asked, or empty)."""
+    for flag, items in (
+        ("--layers", args.layers),
+        ("--experts", args.experts),
+        ("--steer", [pair for pair, _ in args.steer or []]),
+    ):
+        seen: set = set()
+        for item in items or []:
+            if item in seen:
+                shown = item if flag == "--layers" else f"{item[0]}:{item[1]}"
+                raise ValueError(f"{flag} names {shown} twice; give each once")
+            seen.add(item)
+    if args.layers is not None and args.experts is not None:
+        outside = [f"{layer}:{expert}" for layer, expert in args.experts if layer not in args.layers]
+        if outside:
+            raise ValueError(
+                f"--experts {' '.join(outside)} lie outside --layers {' '.join(map(str, args.layers))}: "
+                "drop them, add their layers, or leave --layers out (--experts alone selects them)"
+            )
+
+
+def check_in_model(args: argparse.Namespace, n_experts: list[int]) -> None:
+    """Every layer and expert that ``--layers``, ``--experts`` and ``--steer`` name exists in the
+    model (``n_experts``: per MoE layer), checked once it loads, before any forward pass."""
+    pairs = [("--experts", p) for p in args.experts or []] + [("--steer", p) for p, _ in args.steer or []]
+    layers = [("--layers", layer) for layer in args.layers or []] + [(f, p[0]) for f, p in pairs]
+    for flag, layer in layers:
+        if not 0 <= layer < len(n_experts):
+            raise ValueError(
+                f"{flag}: MoE layer {layer} out of range (the model has {len(n_experts)} MoE layers)"
+            )
+    for flag, (layer, expert) in pairs:
+        if not 0 <= expert < n_experts[layer]:
+            raise ValueError(
+                f"{flag}: expert {expert} out of range in MoE layer {layer} ({n_experts[layer]} experts)"
+            )
 
 
 def register(subparsers) -> None:
@@ -295,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from moee.analysis.specialization.ablate_results import write_result
     from moee.cli_options import load_from_args
-    from moee.io import run_metadata
+    from moee.io import StagedFolder, check_output_folder, run_metadata
 
     for name in ("max_tokens", "seq_len", "batch_size", "steer_texts", "per_domain_tokens", "null_draws"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -304,12 +366,15 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.swap_from and args.steer:
         raise ValueError("--swap-from and --steer are two analyses: run them one at a time")
-    out = Path(args.out)
-    if out.exists() and any((out / name).exists() for name in OUTPUTS) and not args.overwrite:
-        raise FileExistsError(f"{out} already holds results; pass --overwrite to replace them")
-    out.mkdir(parents=True, exist_ok=True)
+    check_selection(args)
+    inputs = {"--model": args.model, "--corpus": args.corpus, "--swap-from": args.swap_from}
+    target = check_output_folder(args.out, overwrite=args.overwrite, inputs=inputs, output=ABLATE_OUTPUT)
     embedder = load_from_args(args)
     model = embedder.model
+    from moee.capture.registry import find_routers
+
+    specs = find_routers(model)
+    check_in_model(args, [s.n_experts for s in specs])
     pairs = read_corpus(args.corpus, field=args.field, domain_field=args.domain_field)  # read lazily
     corpus = build_corpus(
         pairs,
@@ -340,10 +405,11 @@ def run(args: argparse.Namespace) -> int:
             "donor_digest": weights_digest(SimpleNamespace(name_or_path=args.swap_from, model=donor)),
             "meta": meta,
         }
-        write_result(out / "swap.json", result)  # sealed: `moee report` refuses an edit
-        domains = list(result["base"]["loss_by_domain"])
-        _write_csv(out / "swap.csv", result["swaps"], domains)
-        (out / "README.md").write_text(swap_markdown(result, command), encoding="utf-8")
+        with StagedFolder(target, ABLATE_OUTPUT) as out:
+            write_result(out / "swap.json", result)  # sealed: `moee report` refuses an edit
+            domains = list(result["base"]["loss_by_domain"])
+            _write_csv(out / "swap.csv", result["swaps"], domains)
+            (out / "README.md").write_text(swap_markdown(result, command), encoding="utf-8")
         for row in result["swaps"]:
             print(
                 f"router of layer {row['layer']} from donor: {row['delta']:+.4f} nats/token"
@@ -365,8 +431,9 @@ def run(args: argparse.Namespace) -> int:
             ),
             "meta": meta,
         }
-        write_result(out / "steering.json", result)
-        (out / "README.md").write_text(steering_markdown(result, command), encoding="utf-8")
+        with StagedFolder(target, ABLATE_OUTPUT) as out:
+            write_result(out / "steering.json", result)
+            (out / "README.md").write_text(steering_markdown(result, command), encoding="utf-8")
         null = result["null"]
         print(
             f"KL(next token) {result['kl_next_token']:.4f} nats; embedding cosine {result['embedding_cosine']['mean']:.4f}"
@@ -378,18 +445,9 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from moee.capture.registry import find_routers
-
-    specs = find_routers(model)
     experts = args.experts
-    if args.layers is not None:
-        for layer in args.layers:
-            if not 0 <= layer < len(specs):
-                raise ValueError(
-                    f"--layers: MoE layer {layer} out of range (the model has {len(specs)} MoE layers)"
-                )
-        chosen = experts or [(i, e) for i in args.layers for e in range(specs[i].n_experts)]
-        experts = [p for p in chosen if p[0] in set(args.layers)]
+    if args.layers is not None and experts is None:  # layers and experts were checked above
+        experts = [(i, e) for i in args.layers for e in range(specs[i].n_experts)]
     result = expert_importance(
         model,
         corpus,
@@ -403,9 +461,10 @@ def run(args: argparse.Namespace) -> int:
         progress=_progress,
     )
     result["meta"] = meta
-    write_result(out / "importance.json", result)
-    _write_csv(out / "experts.csv", result["experts"], list(result["domains"]))
-    (out / "README.md").write_text(importance_markdown(result, command), encoding="utf-8")
+    with StagedFolder(target, ABLATE_OUTPUT) as out:
+        write_result(out / "importance.json", result)
+        _write_csv(out / "experts.csv", result["experts"], list(result["domains"]))
+        (out / "README.md").write_text(importance_markdown(result, command), encoding="utf-8")
     corr = result["spearman_importance_load"]["pooled"]
-    print(f"{len(result['experts'])} experts; Spearman(importance, load) = {_fmt(corr, 3)}; wrote {out}")
+    print(f"{len(result['experts'])} experts; Spearman(importance, load) = {_fmt(corr, 3)}; wrote {target}")
     return 0

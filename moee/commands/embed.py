@@ -54,6 +54,7 @@ from moee.cli_options import (
 from moee.embed.config import EmbeddingConfig
 from moee.embed.validation import check_positive_int
 from moee.io import (
+    PARQUET_OUTPUT,
     TextsDigest,
     check_output_folder,
     check_output_path,
@@ -214,11 +215,11 @@ class _CountingEncoder:
             )
 
 
-def check_output_file(path: str | Path, *, overwrite: bool) -> Path:
+def check_output_file(path: str | Path, *, overwrite: bool, inputs: dict[str, Any] | None = None) -> Path:
     """Refuse an output .npy that could not be written, before any work is done
-    (:func:`moee.io.check_output_path`: a directory, an existing file unless ``overwrite``, an
-    output another run is writing, a parent that cannot be created or written to)."""
-    return check_output_path(path, overwrite=overwrite, what="--out")
+    (:func:`moee.io.check_output_path`: one of ``inputs``, a directory, an existing file unless
+    ``overwrite``, an output another run is writing, a parent that cannot be created or written to)."""
+    return check_output_path(path, overwrite=overwrite, what="--out", inputs=inputs)
 
 
 def check_output_dir(path: str | Path) -> Path:
@@ -250,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
         if Path(args.out).suffix == ".npy":
             check_output_file(args.out, overwrite=args.overwrite)
         else:  # a folder of Parquet files (row, text, embedding) with its sidecar
-            check_output_folder(args.out, overwrite=args.overwrite)
+            check_output_folder(
+                args.out, overwrite=args.overwrite, inputs={"--merge": args.merge}, output=PARQUET_OUTPUT
+            )
         out = shard.merge_shards(args.merge, args.out, overwrite=args.overwrite)
         _log(f"merged {args.merge} into {out}")
         return 0
@@ -273,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--out must be a .npy file (got {args.out}); use --sharded to write a directory"
             )
-        check_output_file(args.out, overwrite=args.overwrite)
+        check_output_file(args.out, overwrite=args.overwrite, inputs={"INPUT": args.input})
         with output_lock(args.out, "--out"):  # held until the pair is committed: one run per output
             return _embed_one_file(args, config, settings, batch_size, chunk_size)
 

@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         print(paths["markdown"].read_text(encoding="utf-8"))
         print(f"tables: {paths['markdown']} and {paths['json']}")
         return 0
+    from moee.io import check_not_an_input
+
+    check_not_an_input(args.out, {"--model": args.model})  # results never land in or around the model
     explicit = explicit_config(args)
     explicit.pop("method", None)  # --paper's method: --methods sweeps the methods
     prompts = args.prompts

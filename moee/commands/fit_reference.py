@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if model_dir is None else model_dir / MODEL_REFERENCE
     tensors, sidecar = reference_paths(out)
     for path in (tensors, sidecar):
-        check_output_path(path, overwrite=args.overwrite, what="--out")
+        check_output_path(path, overwrite=args.overwrite, what="--out", inputs={"--corpus": args.corpus})
     texts = list(read_texts(args.corpus, field=args.field))
     if max_texts is not None:
         texts = texts[:max_texts]

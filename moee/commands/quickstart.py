@@ -165,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_metric_warnings()
     out: Path = args.out
+    from moee.io import check_not_an_input
+
+    check_not_an_input(out, {"--model": args.model})  # its outputs never land in or around the model
     start = time.perf_counter()
     steps: dict[str, float] = {}
 

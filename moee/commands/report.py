@@ -25,10 +25,11 @@ its permuted-router null, and ``--steering DIR [DIR ...]`` (``moee ablate --stee
 corpus into the same report.json (``compare``), with the differences and B's selection overlap.
 
 Every input is checked before the first model is routed (the output folder, each model path or
-Hub id, the corpus: read through once, and not only empty texts, the ablation, swap and steering files). ``--out`` is a folder of its
-own: an existing report there needs ``--overwrite``. Both files are written into a hidden folder
-beside it and renamed into place together, so a killed run never leaves a new report.json beside
-an old report.html.
+Hub id, the corpus: read through once, and not only empty texts, the ablation, swap and steering files). A
+non-empty ``--out`` needs ``--overwrite``, which replaces the report there and keeps a user's other
+files; an ``--out`` that is, holds or lies inside an input is refused. Both files are written into
+a hidden folder beside it and committed together, so a killed run never leaves a new report.json
+beside an old report.html.
 """
 
 from __future__ import annotations
@@ -129,6 +130,19 @@ def check_model_spec(flag: str, spec: str, *, hub: bool = True) -> None:
         raise FileNotFoundError(f"{flag} {spec}: cannot find this model ({exc})") from None
 
 
+def _inputs(args: argparse.Namespace) -> dict:
+    """What the report reads, by flag: ``--out`` may be none of them, hold none, lie inside none."""
+    return {
+        "--model": args.model,
+        "--corpus": args.corpus,
+        "--checkpoints": args.checkpoints,
+        "--compare": args.compare,
+        "--ablation": args.ablation,
+        "--router-swap": args.router_swap,
+        "--steering": args.steering,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from moee.analysis import command_line
     from moee.analysis.specialization import (
@@ -156,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--checkpoints needs at least two checkpoints (the last one is the final)")
     options = LoadOptions.from_args(args)
     # every input before the first model loads: the output folder, each model, the corpus
-    check_report_folder(args.out, overwrite=args.overwrite)
+    check_report_folder(args.out, overwrite=args.overwrite, inputs=_inputs(args))
     specs = [("--model", args.model)] if args.model is not None else []
     specs += [("--checkpoints", c) for c in args.checkpoints or []]
     specs += [("--compare", args.compare)] if args.compare is not None else []
@@ -271,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         report["compare"] = compare_section(
             report, report_b, overlap, [report["summary"]["model"], args.compare]
         )
-    paths = write_report(report, args.out, overwrite=args.overwrite, progress=True)
+    paths = write_report(report, args.out, overwrite=args.overwrite, progress=True, inputs=_inputs(args))
     s = report["summary"]
     print(
         f"{s['n_texts']} texts, {s['n_tokens']} tokens, k={s['top_k']} ({s['top_k_source']}): "

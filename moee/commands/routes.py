@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from moee.cli_options import load_from_args
     from moee.io import check_output_path, read_texts
 
-    out = check_output_path(args.out, overwrite=args.overwrite)
+    out = check_output_path(args.out, overwrite=args.overwrite, inputs={"--corpus": args.corpus})
     if args.max_texts is not None and args.max_texts < 1:
         raise ValueError(f"--max-texts must be a positive integer, got {args.max_texts}")
     texts = list(islice(read_texts(args.corpus, field=args.field), args.max_texts))

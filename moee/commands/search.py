@@ -251,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         check_corpus_texts(args.texts, meta, field=field, embeddings=args.embeddings)
     check_reference(config, meta, args.embeddings)
     if args.save_index:
-        check_output_path(args.save_index, overwrite=args.overwrite, what="--save-index")
+        inputs = {"--embeddings": args.embeddings, "--texts": args.texts}  # the index would replace them
+        check_output_path(args.save_index, overwrite=args.overwrite, what="--save-index", inputs=inputs)
     source = {"data_sha256": meta.get("data_sha256"), "path": str(Path(args.embeddings).resolve())}
     if args.load_index:
         index = VectorIndex.load(args.load_index, device=args.index_device, nprobe=args.nprobe)

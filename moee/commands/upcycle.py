@@ -11,7 +11,9 @@ of the registry the from-scratch LM uses (``moee.moe.gate_registry.GATES``), its
 Every input is checked before the dense model loads (``--out``, the numbers, the router options,
 the ``--trim-vocab`` corpus, the tokenizer). The folder is written under a unique hidden name beside
 ``--out`` and renamed into place when complete: a killed run leaves no ``--out`` that looks
-finished, and ``--overwrite`` replaces the whole folder (no file of the previous model stays).
+finished. ``--overwrite`` replaces the files of the previous model in ``--out`` (no stale tokenizer
+stays) and keeps every other file there; an ``--out`` that is, holds or lies inside SRC or a
+corpus is refused, with or without it.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def register(subparsers) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="another router_* field of the gate (repeatable; VALUE is JSON, else a string), e.g. "
+        help="another router_* field of the gate (repeatable), VALUE parsed by the field's type: "
+        "true/false for a bool, an integer, a finite number, null where the field may be unset; e.g. "
         "router_n_groups=4 for hierarchical (moee/moe/README_TRAINING.md lists them)",
     )
     p.add_argument(
@@ -132,7 +135,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace a non-empty --out folder (as a whole: nothing of the old one is kept)",
+        help="write into a non-empty --out folder: the previous model's files there are replaced, "
+        "a user's other files stay",
     )
     p.set_defaults(func=run)
 
@@ -186,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if tokenizer is not None and (args.trim_vocab or args.causal):
         tokenizer = _adapt_tokenizer(model, tokenizer, args)
-    out = save_upcycled(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite)
+    out = save_upcycled(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, inputs=_inputs(args))
     cfg = model.config
     print(
         f"wrote {out}: {cfg.text_config.model_type} -> {len(model.moe_ffns())} MoE layers x "
@@ -221,11 +225,13 @@ def run(args: argparse.Namespace) -> int:
 
 def check_inputs(args: argparse.Namespace) -> list[int] | None:
     """Every check that needs no model, before any loading: ``--out`` (a folder, empty or
-    ``--overwrite``, writable), the numbers, ``--router-option``, ``--trim-vocab``'s corpus (read
-    through once: every line a JSON object with a string ``text``). Returns the layer order."""
+    ``--overwrite``, writable, not an input nor holding or inside one), the numbers,
+    ``--router-option``, ``--trim-vocab``'s corpus (read through once: every line a JSON object
+    with a string ``text``). Returns the layer order."""
     import math
 
     from moee.io import check_output_folder
+    from moee.moe.upcycle import UPCYCLED_OUTPUT
 
     order = None
     if args.layer_order is not None:
@@ -242,7 +248,7 @@ def check_inputs(args: argparse.Namespace) -> list[int] | None:
             ) from None
         if any(i < 0 for i in order):
             raise ValueError(f"--layer-order takes layer indices >= 0, got {args.layer_order!r}")
-    check_output_folder(args.out, overwrite=args.overwrite)
+    check_output_folder(args.out, overwrite=args.overwrite, inputs=_inputs(args), output=UPCYCLED_OUTPUT)
     for flag, value in (("--router-std", args.router_std), ("--router-bias-gamma", args.router_bias_gamma)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
@@ -263,6 +269,11 @@ def check_inputs(args: argparse.Namespace) -> list[int] | None:
     if args.calibrate:
         _check_corpus(args.calibrate, "--calibrate corpus")
     return order
+
+
+def _inputs(args: argparse.Namespace) -> dict[str, str | None]:
+    """What the command reads, by flag: ``--out`` may be none of them, hold none, lie inside none."""
+    return {"SRC": args.src, "--calibrate": args.calibrate, "--trim-vocab": args.trim_vocab}
 
 
 def _check_corpus(path: str, what: str) -> None:
@@ -294,19 +305,24 @@ def _tokenizer_source(src: str) -> str | None:
 
 
 def router_options(pairs: list[str]) -> dict:
-    """``--router-option KEY=VALUE`` pairs as config fields (a JSON value, else the string)."""
-    import json
+    """``--router-option KEY=VALUE`` pairs as config fields, each VALUE parsed by its field's type
+    (`moee.moe.gate_registry.parse_router_option`); a value that does not parse, unknown keys
+    or a key given twice are an error naming the option, before any loading."""
+    from moee.moe.gate_registry import parse_router_option, router_option_types
 
-    options = {}
+    known = router_option_types()
+    texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--router-option must be KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
+        if key in texts:
+            raise ValueError(f"--router-option {key} is given twice; give each option once")
+        texts[key] = value
+    unknown = sorted(k for k in texts if k not in known)
+    if unknown:
+        raise ValueError(f"unknown router option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return {key: parse_router_option(key, value, what="--router-option") for key, value in texts.items()}
 
 
 def _adapt_tokenizer(model, tokenizer, args: argparse.Namespace):

@@ -25,7 +25,9 @@ saved configuration > library default). ``features=True`` also adds the HS and R
 tasks, embedded by the actor pool, written as Parquet files (``row``: the input row index, the
 ``--id-field`` column, ``text``, the Parquet inputs' other columns, ``embedding``: one type per
 column, fixed before Ray starts by :func:`input_schema`) plus the sidecar ``_embeddings.json``
-(:func:`moee.io.write_parquet_sidecar`), in a staging folder renamed into place when complete.
+(:func:`moee.io.write_parquet_sidecar`), in a staging folder committed when complete
+(:func:`moee.io.commit_folder`: ``overwrite`` replaces the previous embeddings' files and keeps a
+user's other files; an output that is, holds or lies inside an input is refused).
 Rows keep their input order (Ray Data's ``preserve_order``), and readers sort by ``row``.
 A failed actor is restarted and its batch retried by Ray (``max_restarts`` / ``max_task_retries``),
 so rows are neither lost nor duplicated; a failed job is rerun from the start. A local cluster
@@ -500,14 +502,15 @@ def embed_files(
     local one. ``settings``: what changes the numbers (recorded in the sidecar)."""
     import ray
 
-    from moee.io import StagedFolder, check_output_folder, run_metadata, write_parquet_sidecar
+    from moee.io import PARQUET_OUTPUT, StagedFolder, check_output_folder, run_metadata, write_parquet_sidecar
 
     field = field or "text"
     files = input_files(spec)
     if any(input_format(f) == "txt" for f in files) and field != "text":
         raise ValueError("--field applies to .jsonl and .parquet inputs, not .txt")
     schema = input_schema(files, field, id_field)
-    out_dir = check_output_folder(out_dir, overwrite=overwrite)
+    inputs = {"INPUT": [spec, *files] if Path(spec).is_dir() else files, "--model": model}
+    out_dir = check_output_folder(out_dir, overwrite=overwrite, inputs=inputs, output=PARQUET_OUTPUT)
     start_ray(address)
     plan = plan_parts(files, part_bytes or PART_BYTES)
     if not sum(p["rows"] for p in plan):  # named here: the staging folder would be named later
@@ -559,7 +562,7 @@ def embed_files(
         "engine": "ray",
         **run_metadata(),
     }
-    with StagedFolder(out_dir) as staging:
+    with StagedFolder(out_dir, PARQUET_OUTPUT) as staging:
         try:
             ds.write_parquet(str(staging))
         except Exception as exc:

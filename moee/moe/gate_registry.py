@@ -47,10 +47,13 @@ __all__ = [
     "GateSpec",
     "RouterFields",
     "build_gate",
+    "check_router_options",
     "gate_spec",
     "load_router_weight",
+    "parse_router_option",
     "register",
     "resolve_router",
+    "router_option_types",
 ]
 
 DEFAULT_SWITCH_CAPACITY_FACTOR = 1.25
@@ -78,6 +81,94 @@ class RouterFields:
     router_capacity_factor: float | None = None
     router_min_capacity: int = 1
     router_switch_alpha: float = DEFAULT_ALPHA
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def router_option_types() -> dict[str, tuple[type, bool]]:
+    """Each ``router_*`` field of :class:`RouterFields` but ``router_type`` (chosen by name
+    elsewhere) -> ``(its type, whether null is allowed)``, read from the field declarations, so a
+    new field is typed where it is declared."""
+    import typing
+
+    types = {}
+    for name, hint in typing.get_type_hints(RouterFields).items():
+        if name == "router_type":
+            continue
+        args = typing.get_args(hint)
+        base = next(a for a in args if a is not type(None)) if args else hint
+        types[name] = (base, type(None) in args)
+    return types
+
+
+def _accepted(kind: type, optional: bool) -> str:
+    text = {
+        bool: "true or false (also 1/0, yes/no)",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string",
+    }[kind]
+    return text + (", or null" if optional else "")
+
+
+def parse_router_option(key: str, text: str, *, what: str = "router option") -> Any:
+    """The value of the ``router_*`` field ``key`` written as ``text`` (``moee upcycle
+    --router-option KEY=VALUE``), parsed by the field's declared type: a bool from true/false,
+    1/0 or yes/no only (``bool("maybe")`` would be True), an int, a finite float, a string, and
+    ``null`` / ``none`` for a field that may be unset. Anything else is a ``ValueError`` naming the
+    option (``what``: how, e.g. the flag) and what it accepts, so no string or NaN reaches a saved
+    config."""
+    types = router_option_types()
+    if key not in types:
+        raise ValueError(f"unknown {what} {key}; known: {', '.join(types)}")
+    kind, optional = types[key]
+    word = text.strip()
+    if optional and word.lower() in ("null", "none"):
+        return None
+    value: Any = None
+    if kind is bool and word.lower() in _TRUE + _FALSE:
+        value = word.lower() in _TRUE
+    elif kind is int:
+        try:
+            value = int(word)
+        except ValueError:
+            pass
+    elif kind is float:
+        try:
+            value = float(word)
+        except ValueError:
+            pass
+        value = value if value is not None and math.isfinite(value) else None
+    elif kind is str:
+        value = text
+    if value is None:
+        raise ValueError(f"{what} {key}={text!r}: {key} takes {_accepted(kind, optional)}")
+    return value
+
+
+def check_router_options(options: dict[str, Any]) -> None:
+    """``ValueError`` naming the first value of ``options`` (known ``router_*`` fields -> Python
+    values) whose type is not the field's (:func:`router_option_types`): a bool that is not
+    ``True``/``False``, a non-finite or non-numeric float, an int that is a bool or a float, a
+    non-string string, ``None`` for a field that must be set."""
+    types = router_option_types()
+    for key, value in options.items():
+        if key not in types:
+            continue
+        kind, optional = types[key]
+        if value is None:
+            ok = optional
+        elif kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise ValueError(f"router option {key} must be {_accepted(kind, optional)}, got {value!r}")
 
 
 class CausalLeakWarning(UserWarning):

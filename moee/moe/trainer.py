@@ -900,7 +900,9 @@ def train(
     """Run (or resume) training as described by `config`; return the final step and checkpoint.
 
     A fresh run needs a `checkpoint.dir` without another run's checkpoints or log, or
-    `overwrite=True`, which deletes them (once the data and model are set up). `resume=True`
+    `overwrite=True`, which deletes them (once the data and model are set up; nothing else there),
+    and one that is not an input (``init.from``, ``data.*``), holds none and lies inside none:
+    ``init.from: RUN/step_N`` with ``checkpoint.dir: RUN`` would delete the start. `resume=True`
     continues the newest checkpoint after `resume_plan` accepted the config.
     `stop_at_step` ends the run after that step with a checkpoint, as if interrupted (used to
     test exact resume); the schedule still follows `schedule.max_steps`.
@@ -927,6 +929,12 @@ def train(
     log_path = out_dir / "log.jsonl"
     ckpt = state = None
     existing: list[Path] = []
+    if not resume:  # a fresh run (--overwrite above all) must never delete or shadow its inputs
+        from moee.io import check_not_an_input
+
+        sources = ("init.from", "data.train", "data.heldout", "data.tokenizer")
+        values = (cfg["init"]["from"], data["train"], data["heldout"], data["tokenizer"])
+        check_not_an_input(out_dir, dict(zip(sources, values)), what="checkpoint.dir")
     if resume:
         ckpt = latest_checkpoint(out_dir)
         if ckpt is None:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from moee.moe.gate_registry import RouterFields, gate_spec, load_router_weight
+from moee.io import FolderOutput
+from moee.moe.gate_registry import RouterFields, check_router_options, gate_spec, load_router_weight
 from moee.moe.layer import COLLAPSE_MAX_OVER_MEAN
 from moee.moe.upcycled import (
     FAMILIES,
@@ -281,6 +282,7 @@ def upcycle(
     unknown = sorted(k for k in (router_options or {}) if k not in known)
     if unknown:
         raise ValueError(f"unknown router option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    check_router_options(router_options or {})  # by each field's type: no "maybe" bool, no NaN
     router_fields = {"router_bias_gamma": router_bias_gamma, **(router_options or {})}
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -619,6 +621,31 @@ def router_load_report(
         return report
 
 
+#: What ``moee upcycle`` writes (`moee.io.FolderOutput`): the Hugging Face model and tokenizer
+#: files by name count as its own in a folder saved before output records existed.
+UPCYCLED_OUTPUT = FolderOutput(
+    "moee upcycle",
+    owned=(
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "model-*-of-*.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "vocab.txt",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+    ),
+    marker="config.json",
+    last=("config.json",),
+)
+
+
 def save_upcycled(
     model: MoEEUpcycledPreTrainedModel,
     out: str | Path,
@@ -626,23 +653,33 @@ def save_upcycled(
     tokenizer_from: str | Path | None = None,
     tokenizer=None,
     overwrite: bool = False,
+    inputs: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` to the folder ``out`` (safetensors) and, when given, ``tokenizer`` or the
     tokenizer of ``tokenizer_from``.
 
-    Everything is written into a unique hidden folder beside ``out`` that replaces ``out`` by rename
-    once complete (`moee.io.StagedFolder`): a killed save leaves no ``out`` that looks finished,
-    and a replaced ``out`` keeps nothing of the previous model (no stale tokenizer). A non-empty
-    ``out`` needs ``overwrite=True``; a file named ``out`` is refused. Files get the umask's modes.
+    Everything is written into a unique hidden folder beside ``out`` first (`moee.io.StagedFolder`):
+    a killed save leaves no ``out`` that looks finished. A non-empty ``out`` needs
+    ``overwrite=True``, which replaces the files of the previous model there (no stale tokenizer
+    stays) and keeps every other file (`moee.io.commit_folder`). An ``out`` that is, holds or lies
+    inside the model's source (``model.config.upcycled_from``), ``tokenizer_from`` or one of
+    ``inputs`` (name -> path) is refused, as is a file named ``out``. Files get the umask's modes.
     """
     from moee.io import StagedFolder, check_output_folder
 
-    out = check_output_folder(out, overwrite=overwrite, what="output folder")
+    sources = {
+        "upcycled_from": getattr(model.config, "upcycled_from", None),
+        "tokenizer_from": tokenizer_from,
+        **(inputs or {}),
+    }
+    out = check_output_folder(
+        out, overwrite=overwrite, what="output folder", inputs=sources, output=UPCYCLED_OUTPUT
+    )
     if tokenizer is None and tokenizer_from is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
-    with StagedFolder(out) as staging:
+    with StagedFolder(out, UPCYCLED_OUTPUT) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)

@@ -17,7 +17,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from moee.analysis.specialization.sections import ablation, router_swap, steerin
 from moee.analysis.specialization.sections.token_view import TokenView
 from moee.analysis.specialization.statistics import _overlap
 from moee.capture.architectures import TOP_K_KEYS
-from moee.io import batched
+from moee.io import FolderOutput, batched
 
 if TYPE_CHECKING:
     from torch import nn
@@ -808,44 +808,47 @@ def _json_value(value):
     raise TypeError(f"report value of type {type(value).__name__} is not JSON serialisable")
 
 
-#: the files of a report folder; ``write_report`` replaces a folder holding only these
+#: the files of a report folder: all that ``write_report`` replaces there (a user's other files stay)
 REPORT_FILES = ("report.json", "report.html")
+#: What ``moee report`` writes (`moee.io.FolderOutput`); the page lands last.
+REPORT_OUTPUT = FolderOutput("moee report", owned=REPORT_FILES, last=REPORT_FILES)
 
 
-def check_report_folder(out_dir: str | Path, *, overwrite: bool) -> Path:
-    """Refuse a report folder before any work: a file, a folder holding anything but a report (it
-    is replaced as a whole, so nothing else may be in it), an existing report without
-    ``overwrite``, a place that cannot be written."""
+def check_report_folder(
+    out_dir: str | Path, *, overwrite: bool, inputs: dict[str, Any] | None = None
+) -> Path:
+    """Refuse a report folder before any work: a file, a non-empty folder without ``overwrite``,
+    the output of another command, a folder that is, holds or lies inside one of ``inputs`` (name
+    -> path: the model, the corpus, ...), a place that cannot be written."""
     from moee.io import check_output_folder
 
-    out = Path(out_dir)
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
-        if foreign:
-            raise FileExistsError(
-                f"report folder {out} holds files that are not a report ({', '.join(foreign[:5])}); "
-                "give the report a folder of its own"
-            )
-    return check_output_folder(out, overwrite=overwrite, what="report folder")
+    return check_output_folder(
+        out_dir, overwrite=overwrite, what="report folder", inputs=inputs, output=REPORT_OUTPUT
+    )
 
 
 def write_report(
-    report: dict, out_dir: str | Path, *, overwrite: bool = True, progress: bool = False
+    report: dict,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = True,
+    progress: bool = False,
+    inputs: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """Write ``report.json`` and the self-contained ``report.html`` as the folder ``out_dir``.
+    """Write ``report.json`` and the self-contained ``report.html`` into the folder ``out_dir``.
 
-    Both files go to a unique hidden folder beside ``out_dir`` that replaces it by rename once
-    complete (`moee.io.StagedFolder`): a run killed midway leaves no ``out_dir`` with a new
-    ``report.json`` beside an old ``report.html``, and a reader never sees half a file. An existing
-    report folder is replaced (``overwrite=False``: refused); a folder that holds anything other
-    than a report is refused, so nothing else is ever deleted. ``progress``: the page's sections
-    and the writing reported on stderr.
+    Both files go to a unique hidden folder beside ``out_dir`` first and are committed together
+    (`moee.io.StagedFolder`): a run killed midway leaves no ``out_dir`` with a new ``report.json``
+    beside an old ``report.html``, and a reader never sees half a file. An existing report is
+    replaced (``overwrite=False``: a non-empty folder is refused); a user's other files in the
+    folder stay. ``inputs``: what the report was built from (:func:`check_report_folder`).
+    ``progress``: the page's sections and the writing reported on stderr.
     """
     import sys
 
     from moee.io import StagedFolder
 
-    out = check_report_folder(out_dir, overwrite=overwrite)
+    out = check_report_folder(out_dir, overwrite=overwrite, inputs=inputs)
     ids = [s.id for s in registry.SECTIONS]
     missing = [s for s in ids if s not in report]
     if missing:
@@ -855,7 +858,7 @@ def write_report(
     html = render_html(report, progress=progress)  # before anything is written: a failing page leaves nothing
     if progress:
         print(f"writing {out / 'report.json'} and {out / 'report.html'}", file=sys.stderr, flush=True)
-    with StagedFolder(out) as staging:
+    with StagedFolder(out, REPORT_OUTPUT) as staging:
         # compact: the token view and the per-expert tables are long lists that indentation would
         # spread over one line per number (several times the size)
         with open(staging / "report.json", "w", encoding="utf-8") as fh:
