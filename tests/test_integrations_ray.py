@@ -184,6 +184,17 @@ def test_cli_engine_ray_writes_parquet_in_input_order_and_search_reads_it(
     hit = json.loads(capsys.readouterr().out)["results"][0]
     assert hit["id"] == 5 and hit["text"] == texts[5]
     assert main(["embed", *argv[1:]]) == 2  # an existing output is refused without --overwrite
+    # --overwrite replaces the previous run's Parquet files and keeps a user's notes and sub-folder
+    parts = sorted(p.name for p in out.glob("*.parquet"))
+    (out / "notes.txt").write_text("my notes")
+    (out / "mine").mkdir()
+    (out / "mine" / "keep.txt").write_text("keep me")
+    assert main(["embed", *argv[1:], "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "my notes" and (
+        out / "mine" / "keep.txt"
+    ).read_text() == "keep me"
+    assert len(list(out.glob("*.parquet"))) == len(parts)  # a stale part would fail the read too: rows twice
+    np.testing.assert_allclose(read_embeddings(out)[0], single["moee_concat"], atol=1e-6)
 
 
 def test_cli_engine_ray_names_a_bad_row(cluster, tiny_model_dir, tmp_path, capsys):
