@@ -35,7 +35,6 @@ for step in "${STEPS[@]}"; do
     stability) $PY analysis/run_stability.py ;;
     report)  # saturation over the model's own training: stage 1's export, then stage 2 (the upcycled start
       # has its own tokenizer: it is the --compare report)
-      rm -rf analysis/specialization/compare  # rewritten below; the report folder holds only a report
       $PY -m moee.cli report --model moee/assets/default-model --corpus moee/assets/default-model/heldout.jsonl \
         --domain-field source --checkpoints build/default-model-ctx128 build/train_default_ctx256/step_00000350 \
         build/train_default_ctx256/step_00000375 build/train_default_ctx256/step_00000400 \
