@@ -18,10 +18,21 @@ def command_line(args: argparse.Namespace) -> list[str]:
     Result files record the command that made them; ``sys.argv`` is wrong when ``moee.cli.main``
     is called from Python (tests, notebooks), so the line is rebuilt from what was parsed (a list,
     from ``nargs="+"``, as the flag followed by its values, so the shell-quoted line re-runs).
+    Private entries (``_name``: a repeatable flag's values so far, ``moee.cli_options``) are no flags.
+    An embedding flag is present only when given (``moee.cli_options``), so one given as ``none``
+    is written as such: left out, the model's own value would replace it on a re-run.
     """
+    from dataclasses import fields
+
+    from moee.embed.config import EmbeddingConfig
+
+    embedding = {f.name for f in fields(EmbeddingConfig)}
     parts = ["moee", str(args.command)]
     for key, value in vars(args).items():
-        if key in ("command", "func") or value is None or value is False:
+        if value is None and key in embedding:
+            parts += ["--" + key.replace("_", "-"), "none"]
+            continue
+        if key in ("command", "func") or key.startswith("_") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:
