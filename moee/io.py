@@ -1094,6 +1094,17 @@ def check_output_folder(
     return path
 
 
+def check_rebuildable(out: str | Path, stamp: str) -> None:
+    """A cache folder ``out`` may be (re)built: it does not exist, or it is a folder an earlier build wrote (it
+    holds ``stamp``). Anything else is a user's folder, never deleted."""
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and (out / stamp).is_file()):
+        raise FileExistsError(
+            f"{out} exists and was not built by moee (no {stamp} in it): nothing there is replaced; "
+            "choose another folder or remove it yourself"
+        )
+
+
 def match_folder_modes(root: str | Path) -> None:
     """Give every file under ``root`` the mode of ``root`` less its execute bits, and every folder
     ``root``'s mode: the modes ``open()`` / ``mkdir()`` give under the user's umask, where a writer

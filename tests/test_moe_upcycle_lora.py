@@ -246,3 +246,18 @@ def test_a_changed_delta_or_another_base_is_refused(base_and_delta, tmp_path):
     (delta / DELTA_FILE).write_bytes(bytes(data))
     with pytest.raises(ValueError, match="the delta changed after it was written"):
         assemble(delta, base, tmp_path / "z")
+
+
+def test_assembly_never_replaces_a_folder_it_did_not_build_and_writes_normal_modes(base_and_delta, tmp_path):
+    from moee.moe.delta import DELTA_FILE, assemble
+
+    base, delta, _ = base_and_delta
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="was not built by moee"):
+        assemble(delta, base, mine)
+    assert (mine / "notes.txt").read_text() == "keep"
+    out = assemble(delta, base, tmp_path / "built")
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out.stat().st_mode & 0o666)
+    assert (delta / DELTA_FILE).stat().st_mode & 0o777 == (delta.stat().st_mode & 0o666)

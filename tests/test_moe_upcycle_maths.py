@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_moe_upcycle import dense_model
 from test_moe_upcycle_start import SAMPLE, skewed_bert
 from torch import nn
 
@@ -450,7 +451,7 @@ def test_load_report_of_a_single_selection(monkeypatch):
 def test_balance_routers_refuses_router_rows_for_another_number_of_layers():
     model = _moe(balance_router=False)
     rows = _rows(model)
-    with pytest.raises(ValueError, match="zip"):
+    with pytest.raises(ValueError, match="1 router weights for 2 MoE layers"):
         up.balance_routers(model, rows[:-1], SAMPLE, torch.ones_like(SAMPLE))
 
 
@@ -492,3 +493,22 @@ def test_mean_removal_of_inputs_whose_mean_is_short(monkeypatch):
     one = _moe(dense=dense())
     torch.testing.assert_close(_rows(one)[0], after, rtol=1e-5, atol=1e-6)
     assert max(r["max_over_mean"] for r in up.router_load_report(settled, SAMPLE[:24])) <= 1.1
+
+
+def test_balancing_runs_each_layer_once_cost_linear_in_depth(monkeypatch):
+    """One forward pass balances every router (each layer settles on the inputs the balanced
+    layers below produce, as it routes them): a 6-layer model runs each FFN once, not the
+    1 + 2 + ... + 6 = 21 layer passes of a forward from layer 0 for every layer."""
+    model = _moe(balance_router=False, dense=dense_model("llama", num_hidden_layers=6))
+    calls = []
+    handles = [
+        ffn.register_forward_pre_hook(lambda _m, _a, i=i: calls.append(i))
+        for i, ffn in enumerate(model.moe_ffns())
+    ]
+    monkeypatch.setattr(up, "_SETTLE_ROUNDS", 2)
+    try:
+        up.balance_routers(model, _rows(model), SAMPLE[:24], torch.ones_like(SAMPLE[:24]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == list(range(6))

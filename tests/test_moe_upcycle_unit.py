@@ -74,7 +74,7 @@ KNOWN = (
     "router_min_capacity, router_switch_alpha"
 )
 REFUSED = [
-    ({"mode": "merge"}, "mode must be one of ('split', 'copy'), got 'merge'"),
+    ({"mode": "merge"}, "mode must be one of ('split', 'copy', 'lora'), got 'merge'"),
     ({"router_init": "kmeans"}, "router_init must be one of ('centroid', 'random', 'zero'), got 'kmeans'"),
     (
         {"mode": "copy", "router_init": "centroid"},
@@ -82,7 +82,8 @@ REFUSED = [
     ),
     (
         {"mode": "copy", "shared_neurons": 4},
-        "shared_neurons is for mode='split'; use shared_copy=True for a copied shared expert",
+        "shared_neurons is for mode='split'; use shared_copy=True for a copied shared expert "
+        "(mode='lora' always keeps the whole FFN shared)",
     ),
     ({"shared_copy": True}, "shared_copy is for mode='copy'; use shared_neurons=N for split mode"),
     *(

@@ -32,7 +32,19 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--experts", type=int, required=True, help="routed experts per layer")
     p.add_argument("--top-k", type=int, required=True, help="experts selected per token")
-    p.add_argument("--mode", choices=("split", "copy"), default="split", help="(default %(default)s)")
+    p.add_argument(
+        "--mode",
+        choices=("split", "copy", "lora"),
+        default="split",
+        help="split: experts partition each FFN's neurons; copy: every expert a copy of the FFN; lora: "
+        "the FFN shared, each expert a low-rank adapter of its down projection (default %(default)s)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=8,
+        help="lora: the rank of each expert's adapter (default %(default)s)",
+    )
     p.add_argument(
         "--shared-neurons",
         type=int,
@@ -51,8 +63,8 @@ def register(subparsers) -> None:
         "--router-init",
         choices=("centroid", "random", "zero"),
         default=None,
-        help="router start: cluster centroids (split only), random normal, or zero "
-        "(default: centroid for split, random for copy)",
+        help="router start: centroids of the FFN's neuron clusters (split, lora), random normal, or "
+        "zero (default: centroid for split and lora, random for copy)",
     )
     p.add_argument(
         "--router-std", type=float, default=0.02, help="std of a random router (default %(default)s)"
@@ -187,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration,
         calibration_mask=mask,
         tokenizer=tokenizer,
+        lora_rank=args.lora_rank,
     )
     if tokenizer is not None and (args.trim_vocab or args.causal):
         tokenizer = _adapt_tokenizer(model, tokenizer, args)

@@ -101,8 +101,9 @@ def dense_base(cache: str | os.PathLike | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from moee.io import temporary_path
+    from moee.io import check_rebuildable, match_folder_modes, temporary_path
 
+    check_rebuildable(folder, _STAMP)
     gguf = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -128,6 +129,7 @@ def dense_base(cache: str | os.PathLike | None = None) -> Path:
             "weights_sha256": file_sha256(staging / "model.safetensors"),
         }
         (staging / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        match_folder_modes(staging)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(staging, folder)

@@ -80,6 +80,7 @@ def save_delta(model: Any, folder: str | os.PathLike, base: dict[str, str]) -> P
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(delta_state_dict(model), folder / DELTA_FILE, metadata={"format": "pt"})
+    os.chmod(folder / DELTA_FILE, folder.stat().st_mode & 0o666)  # safetensors writes 0600
     model.config.to_json_file(folder / "config.json")
     manifest = {
         "format": FORMAT,
@@ -175,12 +176,13 @@ def assemble(
     bit-exact is an error, never a silently different model."""
     from transformers import AutoTokenizer
 
-    from moee.io import temporary_path
+    from moee.io import check_rebuildable, match_folder_modes, temporary_path
 
     folder, out = Path(folder), Path(out)
     manifest = _read_manifest(folder)
     if _stamp_matches(out, manifest):
         return out
+    check_rebuildable(out, _STAMP)
     recorded_base = manifest["base"].get("weights_sha256")
     found_base = _sha256(Path(base) / "model.safetensors")
     if recorded_base != found_base:
@@ -210,6 +212,7 @@ def assemble(
             "base": manifest["base"],
         }
         (staging / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        match_folder_modes(staging)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

@@ -15,7 +15,8 @@ Config format (JSON; every section optional except `model` and `data`; unknown k
       },
       "optim": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                 "grad_clip": 1.0, "batch_size": 16,
-                "router_lr_scale": 1.0},  # router weights train at lr * router_lr_scale
+                "router_lr_scale": 1.0,   # router weights train at lr * router_lr_scale
+                "trainable": "all"},      # or "routed": routers and routed experts only, the rest frozen
       "schedule": {"max_steps": 1000, "warmup_steps": 50, "min_lr_ratio": 0.1,
                    "time_budget_minutes": null},  # optional: fit max_steps to a wall-clock budget
       "eval": {"every": 100, "max_windows": 256, "batch_size": 16},
@@ -91,6 +92,7 @@ DEFAULTS: dict[str, Any] = {
         "grad_clip": 1.0,
         "batch_size": 16,
         "router_lr_scale": 1.0,
+        "trainable": "all",
     },
     "schedule": {"max_steps": 1000, "warmup_steps": 50, "min_lr_ratio": 0.1, "time_budget_minutes": None},
     "eval": {"every": 100, "max_windows": 256, "batch_size": 16},
@@ -143,6 +145,11 @@ _TOKENIZER_DEFAULTS = {
 }
 
 
+#: what `optim.trainable` may name: every parameter, or only the routers and the routed experts
+#: (what an upcycled ``lora`` model's delta holds; the dense model stays frozen)
+TRAINABLE = ("all", "routed")
+
+
 def load_config(source: str | os.PathLike | dict) -> dict:
     """Read a training config (path or dict), fill defaults, and validate names and types."""
     if isinstance(source, dict):
@@ -185,6 +192,10 @@ def load_config(source: str | os.PathLike | dict) -> dict:
             )
     else:
         _check_model_section(cfg["model"], origin)
+    if cfg["optim"]["trainable"] not in TRAINABLE:
+        raise ValueError(
+            f"{origin}: optim.trainable must be one of {TRAINABLE}, got {cfg['optim']['trainable']!r}"
+        )
     for name in ("train", "tokenizer"):
         if not cfg["data"][name]:
             raise ValueError(f"{origin}: data.{name} is required")
@@ -986,7 +997,15 @@ def train(
     router_params = {
         id(p) for m in model.modules() if getattr(m, "_moee_router_part", False) for p in m.parameters()
     }
+    if optim_cfg["trainable"] == "routed":
+        from moee.moe.delta import routed_parameter_ids
+
+        keep = routed_parameter_ids(model)
+        for p in model.parameters():
+            p.requires_grad_(id(p) in keep)
     for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         is_router = id(p) in router_params
         decays = p.dim() >= 2 and not is_router
         groups.setdefault((is_router, decays), []).append(p)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,13 +240,17 @@ def upcycle(
     calibration: torch.Tensor | None = None,
     calibration_mask: torch.Tensor | None = None,
     tokenizer: Any = None,
+    lora_rank: int = 8,
 ) -> MoEEUpcycledPreTrainedModel:
     """Build an MoE model from a dense checkpoint (a path / hub name, or a loaded model).
 
     ``src`` must be a Llama / Mistral / Qwen2 / Qwen3 / GPT-2 causal LM or a BERT / RoBERTa encoder
     (``moee.moe.upcycled.FAMILIES``); its weights are read from safetensors only. ``router_init``
     defaults to ``"centroid"`` for split and ``"random"`` (normal, std ``router_std``) for copy;
-    ``"zero"`` starts from uniform routing. A loaded ``src`` model is modified in place (its FFN
+    ``"zero"`` starts from uniform routing. ``mode="lora"`` keeps the whole FFN once and gives every
+    expert a rank-``lora_rank`` adapter of its down projection (A seeded random, B zero: the model
+    starts as the dense one); its router defaults to ``"centroid"`` over the FFN's neuron clusters
+    (the split mode's router, used here only to route). A loaded ``src`` model is modified in place (its FFN
     modules are replaced) and becomes the returned model's ``.model``.
 
     ``causal=True`` turns an encoder family (BERT, RoBERTa) into a causal LM before upcycling
@@ -286,19 +291,22 @@ def upcycle(
     router_fields = {"router_bias_gamma": router_bias_gamma, **(router_options or {})}
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    router_init = router_init or ("centroid" if mode == "split" else "random")
+    router_init = router_init or ("random" if mode == "copy" else "centroid")
     if router_init not in ROUTER_INITS:
         raise ValueError(f"router_init must be one of {ROUTER_INITS}, got {router_init!r}")
     if mode == "copy" and router_init == "centroid":
         raise ValueError(
             "router_init='centroid' needs mode='split': copied experts are identical, there is nothing to cluster"
         )
-    if mode == "copy" and shared_neurons:
+    if mode != "split" and shared_neurons:
         raise ValueError(
-            "shared_neurons is for mode='split'; use shared_copy=True for a copied shared expert"
+            "shared_neurons is for mode='split'; use shared_copy=True for a copied shared expert "
+            "(mode='lora' always keeps the whole FFN shared)"
         )
-    if mode == "split" and shared_copy:
+    if mode != "copy" and shared_copy:
         raise ValueError("shared_copy is for mode='copy'; use shared_neurons=N for split mode")
+    if mode == "lora" and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
+        raise ValueError(f"lora_rank must be a positive int for mode='lora', got {lora_rank!r}")
     if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
         raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
@@ -342,6 +350,8 @@ def upcycle(
                     "every expert must get the same number of neurons"
                 )
             width = (d_ff - shared_neurons) // n_experts
+        elif mode == "lora":
+            shared_width = width = d_ff
         else:
             shared_width = d_ff if shared_copy else 0
             width = d_ff
@@ -352,6 +362,10 @@ def upcycle(
             if mode == "split":
                 shared = select_shared_neurons(ffn, shared_neurons, shared_select) if shared_neurons else None
                 groups, centroids = split_neurons(ffn, n_experts, shared, seed=seed)
+            elif mode == "lora":  # the whole FFN is shared; neuron clusters only start the router
+                shared = torch.arange(d_ff)
+                groups = None
+                centroids = split_neurons(ffn, n_experts, seed=seed)[1] if router_init == "centroid" else None
             else:
                 shared = torch.arange(d_ff) if shared_copy else None
                 groups, centroids = [torch.arange(d_ff)] * n_experts, None
@@ -361,8 +375,12 @@ def upcycle(
                 router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * router_std
             else:
                 router = torch.zeros(n_experts, ffn.d_model)
+            lora_a = None
+            if mode == "lora":  # LoRA's A: kaiming-uniform-like rows of scale 1/sqrt(d_ff)
+                bound = 1.0 / math.sqrt(d_ff)
+                lora_a = (torch.rand(n_experts, d_ff, lora_rank, generator=gen) * 2 - 1) * bound
             # ffn holds (detached) references to the dense tensors: they outlive the replaced modules
-            plans.append((ffn, groups, shared, router))
+            plans.append((ffn, groups, shared, router, lora_a))
 
         name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
         config = MoEEUpcycledConfig(
@@ -370,6 +388,7 @@ def upcycle(
             num_experts=n_experts,
             num_experts_per_tok=top_k,
             upcycle_mode=mode,
+            expert_lora_rank=lora_rank if mode == "lora" else 0,
             expert_intermediate_size=width,
             shared_intermediate_size=shared_width,
             router_init=router_init,
@@ -378,9 +397,12 @@ def upcycle(
             **router_fields,
         )
         model = expected(config, dense=dense_model)
-        for moe, (ffn, groups, shared, router) in zip(model.moe_ffns(), plans, strict=True):
-            moe.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype)
-            moe.load_dense(ffn, groups, shared, router.to(device=ffn.w_act.device, dtype=ffn.w_act.dtype))
+        for moe, (ffn, groups, shared, router, lora_a) in zip(model.moe_ffns(), plans, strict=True):
+            like = {"device": ffn.w_act.device, "dtype": ffn.w_act.dtype}
+            moe.to(**like)
+            moe.load_dense(
+                ffn, groups, shared, router.to(**like), None if lora_a is None else lora_a.to(**like)
+            )
         model.eval()
         if tokenizer is None and calibration is None and isinstance(src, (str, Path)):
             tokenizer = _local_tokenizer(Path(src))
@@ -405,10 +427,6 @@ def upcycle(
             stacklevel=2,
         )
     return model
-
-
-class _Captured(Exception):
-    """Ends a calibration forward pass once the layer of interest has been seen."""
 
 
 def calibration_texts(n: int = 256, corpus: str | Path | None = None) -> list[str]:
@@ -521,33 +539,37 @@ def balance_routers(
     that every gate, biased or not, keeps it; the selection is the gate's own (top-k, groups,
     capacity), called on the captured inputs. Layers are balanced in order, each on the inputs the
     already balanced layers below it produce.
+
+    One forward pass over the whole sample does it (cost linear in depth): a pre-hook on each MoE
+    FFN balances that layer's router on the inputs it is about to route, before it routes them.
     """
     with torch.no_grad():  # a context, not a decorator: mutmut does not mutate decorated functions
         flat_mask = mask.reshape(-1).bool()
-        for ffn, weight in zip(model.moe_ffns(), weights, strict=True):
-            seen: list[torch.Tensor] = []
+        ffns = model.moe_ffns()
+        if len(ffns) != len(weights):
+            raise ValueError(f"{len(weights)} router weights for {len(ffns)} MoE layers")
 
-            def grab(_module, args, seen=seen):
-                seen.append(args[0].reshape(-1, args[0].shape[-1]).detach().double().cpu())
-                if sum(len(x) for x in seen) >= flat_mask.numel():
-                    raise _Captured
+        def settle(ffn: Any, weight: torch.Tensor) -> Callable:
+            def hook(_module, args):
+                x = args[0].reshape(-1, args[0].shape[-1]).detach().double().cpu()[flat_mask]
+                m = x.mean(0)
+                w = weight.double().cpu()
+                w = w - torch.outer(w @ m, m) / m.dot(m).clamp_min(1e-30)
+                rows = _settle_offsets(ffn, x, w, m / m.dot(m).clamp_min(1e-30))
+                gate_weight = next(ffn.router.gate.parameters())
+                load_router_weight(
+                    ffn.router_type, ffn.router.gate, rows.to(gate_weight.dtype).to(gate_weight.device)
+                )
 
-            handle = ffn.register_forward_pre_hook(grab)
-            try:
-                _forward_base(model, ids, mask)
-            except _Captured:
-                pass
-            finally:
+            return hook
+
+        handles = [ffn.register_forward_pre_hook(settle(ffn, w)) for ffn, w in zip(ffns, weights)]
+        try:
+            device = model.get_input_embeddings().weight.device
+            model.model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device))
+        finally:
+            for handle in handles:
                 handle.remove()
-            x = torch.cat(seen)[flat_mask]
-            m = x.mean(0)
-            w = weight.double().cpu()
-            w = w - torch.outer(w @ m, m) / m.dot(m).clamp_min(1e-30)
-            rows = _settle_offsets(ffn, x, w, m / m.dot(m).clamp_min(1e-30))
-            gate_weight = next(ffn.router.gate.parameters())
-            load_router_weight(
-                ffn.router_type, ffn.router.gate, rows.to(gate_weight.dtype).to(gate_weight.device)
-            )
 
 
 def _settle_offsets(ffn: Any, x: torch.Tensor, w: torch.Tensor, along: torch.Tensor) -> torch.Tensor:
