@@ -199,7 +199,7 @@ def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
     """The :class:`LoadOptions` of :func:`add_loading_arguments`'s flags."""
-    return LoadOptions(**{f.name: getattr(args, f.name) for f in fields(LoadOptions)})
+    return LoadOptions.from_args(args)
 
 
 def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moee.embed.config import EmbeddingConfig
+from moee.embed.config import EmbeddingConfig, check_config_fits_model
 from moee.embed.validation import check_texts
 from moee.io import run_metadata, texts_digest, write_embeddings
 
-__all__ = ["save_corpus"]
+__all__ = ["run_facts", "save_corpus"]
 
 
 def save_corpus(
@@ -32,8 +32,6 @@ def save_corpus(
     """Embed ``texts`` with ``embedder`` under ``config`` (or ``encode``'s configuration keywords;
     neither: the model's own) and write them to ``path`` with the sidecar ``moee embed`` writes.
     An existing ``path`` is refused unless ``overwrite``. Returns the ``.npy`` path."""
-    from moee.commands.embed import _run_facts, check_config_fits_model
-
     texts = check_texts(texts)
     config = embedder._config(config, **keywords)
     check_config_fits_model(embedder, config)
@@ -45,9 +43,18 @@ def save_corpus(
         "model_dtype": None,
         "load_in_4bit": False,
         **({"reference_sha256": config.reference_digest()} if config.reference is not None else {}),
-        **_run_facts(embedder, batch_size),
+        **run_facts(embedder, batch_size),
         "texts_sha256": digest,
         "truncated_texts": embedder.last_truncation,
         **run_metadata(),
     }
     return write_embeddings(path, vectors, meta, overwrite=overwrite)
+
+
+def run_facts(embedder: Any, batch_size: int) -> dict[str, Any]:
+    """Sidecar-only facts: where the model really came from, a digest of its weights (what
+    `moee search` checks the model it loads against), and the batch size used."""
+    resolved = str(getattr(embedder, "name_or_path", None))
+    if Path(resolved).exists():  # a local model: record an absolute path, usable from any directory
+        resolved = str(Path(resolved).resolve())
+    return {"model_resolved": resolved, "weights_digest": embedder.weights_digest, "batch_size": batch_size}

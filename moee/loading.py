@@ -15,14 +15,15 @@ up, which is where ``input_ids``/``attention_mask`` must go.
 :class:`LoadOptions` is the one set of loading options (device, dtype, device_map, memory
 budgets, offload folder, 4-bit, remote code, pickle weights, tokenizer): each field declares its command-line flag beside itself
 (``metadata``; ``moee.cli_options`` builds the flags from the fields, so a new option is one field
-with its metadata), :func:`add_loading_arguments` gives every command the same flags,
-:meth:`LoadOptions.from_args` reads them back, and :func:`load_model` is the one loader every
+with its metadata, and gives every command the same flags), :meth:`LoadOptions.from_args` reads
+them back, and :func:`load_model` is the one loader every
 command, ``MoEEmbedder.from_pretrained`` and the trainer's ``init.from`` reach. It registers every
 model type moee defines (``moee.models.register_models``), reads ``name@revision``, loads the
 weights with :func:`load_causal_lm`, places them, and finds the tokenizer (:func:`tokenizer_source`):
 ``LoadOptions.tokenizer`` when given, else the model folder's own, else, for a training checkpoint
 (``moee train``'s ``run/step_XXXXXXXX/``, which holds no tokenizer), the one its run was trained
-with; an error names what is missing when none is found.
+with (:func:`run_tokenizer`); an error names what is missing when none is found. The bundled
+default model lives in :data:`DEFAULT_MODEL_DIR`.
 
 A model larger than memory loads with ``--device-map auto --max-memory cpu=8GiB --offload-folder
 DIR``: accelerate fills each device up to its budget (:func:`parse_max_memory`, read once when the
@@ -33,10 +34,11 @@ capture hooks sit inside accelerate's, so the vectors are those of the model hel
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -45,21 +47,29 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI parsers star
     from torch import nn
 
 __all__ = [
+    "DEFAULT_MODEL_DIR",
     "DTYPES",
     "TOKENIZER_FILES",
     "Loaded",
     "LoadOptions",
     "TokenizerSource",
-    "add_loading_arguments",
     "four_bit_config",
     "input_device",
     "load_causal_lm",
     "load_model",
     "parse_max_memory",
     "quantization_summary",
+    "run_tokenizer",
     "split_revision",
     "tokenizer_source",
 ]
+
+#: The bundled default model, loaded when no model is named (trained by
+#: ``scripts/train_default_model.sh``, exported by ``scripts/export_default_model.py``); its
+#: embedding configuration is its own ``moee_embedding.json``, like any model folder's.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
+#: The state file of a training checkpoint (``moee.moe.checkpoint``), which names its run's tokenizer.
+CHECKPOINT_STATE_FILE = "trainer_state.json"
 
 #: Weight dtypes the CLI offers (``auto``: the checkpoint's own; none given: transformers' default).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -228,10 +238,8 @@ class LoadOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoadOptions:
-        """The options of :func:`add_loading_arguments` from parsed arguments."""
-        from moee.cli_options import load_options
-
-        return load_options(args)
+        """The options of ``moee.cli_options.add_loading_arguments``' flags, from parsed arguments."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def replace(self, **changes: Any) -> LoadOptions:
         """A copy with ``changes`` (checked again)."""
@@ -263,14 +271,6 @@ class LoadOptions:
         if self.load_in_4bit:
             kwargs["quantization_config"] = four_bit_config()
         return kwargs
-
-
-def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
-    """The model-loading flags of every command, one per :class:`LoadOptions` field (read back with
-    :meth:`LoadOptions.from_args`); ``model=True`` also adds ``--model``."""
-    from moee.cli_options import add_loading_arguments as add
-
-    add(parser, model=model)
 
 
 def four_bit_config() -> Any:
@@ -505,7 +505,7 @@ class TokenizerSource(NamedTuple):
 def tokenizer_source(name_or_path: str | Path, options: LoadOptions | None = None) -> TokenizerSource:
     """Where the tokenizer of model ``name_or_path`` is read from: ``options.tokenizer`` when given;
     a Hub id's own; a local folder's own when it holds one (:data:`TOKENIZER_FILES`); else, for a
-    training checkpoint, the tokenizer its run names (``moee.moe.checkpoint.run_tokenizer``);
+    training checkpoint, the tokenizer its run names (:func:`run_tokenizer`);
     else nowhere (``origin="none"``)."""
     if options is not None and options.tokenizer is not None:
         return TokenizerSource(options.tokenizer, "option")
@@ -513,10 +513,25 @@ def tokenizer_source(name_or_path: str | Path, options: LoadOptions | None = Non
     local = Path(name).expanduser()
     if not local.is_dir() or _has_tokenizer(local):
         return TokenizerSource(name, "model")  # a Hub id's tokenizer is resolved with the model
-    from moee.moe.checkpoint import run_tokenizer
-
     named = run_tokenizer(local)
     return TokenizerSource(named, "run") if named is not None else TokenizerSource(None, "none")
+
+
+def run_tokenizer(path: str | os.PathLike) -> str | None:
+    """The tokenizer the run of checkpoint ``path`` was trained with (``trainer_state.json`` ->
+    ``config.data.tokenizer``, as the run's config gave it), or ``None`` when ``path`` is no
+    checkpoint or names none. Reads the state only (no hashes: nothing is resumed from it)."""
+    state_path = Path(path) / CHECKPOINT_STATE_FILE
+    if not state_path.is_file():
+        return None
+    try:
+        state = json.loads(state_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint file {state_path} is corrupt: {exc}") from exc
+    config = state.get("config") if isinstance(state, dict) else None
+    data = config.get("data") if isinstance(config, dict) else None
+    named = data.get("tokenizer") if isinstance(data, dict) else None
+    return named if isinstance(named, str) and named else None
 
 
 def _no_tokenizer(name: str) -> FileNotFoundError:

@@ -20,8 +20,9 @@ from test_moe_upcycle import dense_model
 
 from moee.capture.tiny import TINY_WORDS, tiny_model, tiny_tokenizer
 from moee.cli import main
+from moee.cli_options import add_loading_arguments
 from moee.embed.embedder import MoEEmbedder
-from moee.loading import LoadOptions, add_loading_arguments, load_model, split_revision, tokenizer_source
+from moee.loading import LoadOptions, load_model, split_revision, tokenizer_source
 
 ROOT = Path(__file__).resolve().parent.parent
 

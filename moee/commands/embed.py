@@ -51,7 +51,8 @@ from moee.cli_options import (
     load_from_args,
     make_encoder,
 )
-from moee.embed.config import EmbeddingConfig
+from moee.corpus import run_facts
+from moee.embed.config import EmbeddingConfig, check_config_fits_model
 from moee.embed.validation import check_positive_int
 from moee.io import (
     PARQUET_OUTPUT,
@@ -156,29 +157,6 @@ def embedding_settings(args: argparse.Namespace, config: EmbeddingConfig) -> dic
     if config.reference is not None:  # its numbers, not its path: a re-fit is another run
         settings["reference_sha256"] = config.reference_digest()
     return settings
-
-
-def check_config_fits_model(embedder: Any, config: EmbeddingConfig) -> None:
-    """Refuse, right after the model loads and before any text is embedded, a configuration this
-    model cannot embed: ``hs_layer`` / ``rw_layers`` out of range for its decoder / MoE layer
-    counts, or a reference fitted on another model or configuration."""
-    import numpy as np
-
-    from moee.capture.registry import _decoder_layers
-    from moee.embed.recipes import select_hs, select_rw
-
-    where = f"for {getattr(embedder, 'name_or_path', 'the model')}"
-    try:
-        if config.hs_layer is not None:  # the selection itself, on a placeholder of the model's shape
-            select_hs(np.zeros((1, len(_decoder_layers(embedder.model)), 1), np.float32), config.hs_layer)
-        if config.rw_layers is not None:
-            select_rw(np.zeros((1, embedder.n_moe_layers, 1), np.float32), config.rw_layers)
-    except ValueError as exc:
-        raise ValueError(f"--hs-layer/--rw-layers {where}: {exc}") from None
-    if config.reference is not None:
-        from moee.embed.reference import load_cached
-
-        embedder.check_reference(load_cached(config.reference), config)
 
 
 def _log(msg: str) -> None:
@@ -293,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         embedder = load_from_args(args, device=device)
         check_config_fits_model(embedder, config)
         encoder = _CountingEncoder(embedder, config, batch_size)
-        facts = _run_facts(embedder, batch_size)
+        facts = run_facts(embedder, batch_size)
         written = shard.embed_shard(
             encoder,
             args.input,
@@ -370,7 +348,7 @@ def _embed_one_file(
     digest = TextsDigest()
     meta = {
         **settings,
-        **_run_facts(embedder, batch_size),
+        **run_facts(embedder, batch_size),
         "input": str(Path(args.input).resolve()),
         "field": args.field,
         **run_metadata(),
@@ -390,12 +368,3 @@ def _embed_one_file(
     encoder.report(shape[0])
     _log(f"wrote {out} {shape}")
     return 0
-
-
-def _run_facts(embedder: Any, batch_size: int) -> dict[str, Any]:
-    """Sidecar-only facts: where the model really came from, a digest of its weights (what
-    `moee search` checks the model it loads against), and the batch size used."""
-    resolved = str(getattr(embedder, "name_or_path", None))
-    if Path(resolved).exists():  # a local model: record an absolute path, usable from any directory
-        resolved = str(Path(resolved).resolve())
-    return {"model_resolved": resolved, "weights_digest": embedder.weights_digest, "batch_size": batch_size}

@@ -89,7 +89,7 @@ def _model_folder(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moee.commands.embed import check_config_fits_model
+    from moee.embed.config import check_config_fits_model
     from moee.embed.reference import check_reference_size, reference_paths
     from moee.io import check_output_path, output_lock, read_texts
 

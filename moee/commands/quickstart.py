@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", type=Path, default=Path("moee-quickstart"), help="output folder (default ./moee-quickstart)"
     )
-    from moee.loading import add_loading_arguments
+    from moee.cli_options import add_loading_arguments
 
     add_loading_arguments(p)
     p.add_argument("--no-baseline", action="store_true", help="skip all-MiniLM-L6-v2")

@@ -45,7 +45,7 @@ def register(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from moee.loading import add_loading_arguments
+    from moee.cli_options import add_loading_arguments
 
     add_loading_arguments(p)
     p.add_argument("--corpus", required=True, help=".txt (one text a line), .jsonl or .parquet file")

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from moee.cli_options import add_loading_arguments, load_from_args, make_encoder
-from moee.commands.embed import check_config_fits_model
-from moee.embed.config import EmbeddingConfig
+from moee.embed.config import EmbeddingConfig, check_config_fits_model
 from moee.embed.validation import check_positive_int
 from moee.index import KINDS, VectorIndex
 from moee.io import (

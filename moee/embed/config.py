@@ -61,6 +61,7 @@ __all__ = [
     "MODEL_DEFAULT",
     "PAPER_FIELDS",
     "EmbeddingConfig",
+    "check_config_fits_model",
     "check_trace_settings",
     "config_label",
     "drop_model_reference",
@@ -781,3 +782,26 @@ def drop_model_reference(directory: str | PathLike) -> str | None:
             stale.unlink(missing_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return reference
+
+
+def check_config_fits_model(embedder: Any, config: EmbeddingConfig) -> None:
+    """Refuse, right after the model loads and before any text is embedded, a configuration this
+    model cannot embed: ``hs_layer`` / ``rw_layers`` out of range for its decoder / MoE layer
+    counts, or a reference fitted on another model or configuration."""
+    import numpy as np
+
+    from moee.capture.registry import _decoder_layers
+    from moee.embed.recipes import select_hs, select_rw
+
+    where = f"for {getattr(embedder, 'name_or_path', 'the model')}"
+    try:
+        if config.hs_layer is not None:  # the selection itself, on a placeholder of the model's shape
+            select_hs(np.zeros((1, len(_decoder_layers(embedder.model)), 1), np.float32), config.hs_layer)
+        if config.rw_layers is not None:
+            select_rw(np.zeros((1, embedder.n_moe_layers, 1), np.float32), config.rw_layers)
+    except ValueError as exc:
+        raise ValueError(f"--hs-layer/--rw-layers {where}: {exc}") from None
+    if config.reference is not None:
+        from moee.embed.reference import load_cached
+
+        embedder.check_reference(load_cached(config.reference), config)

@@ -74,6 +74,7 @@ from moee.embed.recipes import (
 )
 from moee.embed.reference import weights_digest, weights_fingerprint
 from moee.embed.validation import check_positive_int, check_texts
+from moee.loading import DEFAULT_MODEL_DIR  # re-exported: the embedder's default model
 
 if TYPE_CHECKING:
     from moee.loading import LoadOptions
@@ -81,11 +82,6 @@ if TYPE_CHECKING:
 __all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
 
 logger = logging.getLogger(__name__)
-
-#: The bundled default model (trained by ``scripts/train_default_model.sh``, exported by
-#: ``scripts/export_default_model.py``); its embedding configuration is its own
-#: ``moee_embedding.json``, like any model folder's.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
 #: Inputs with more texts than this get a progress bar when ``show_progress_bar=None``.
 PROGRESS_BAR_MIN_TEXTS = 256

@@ -104,7 +104,7 @@ class MoEEmbedBatches:
         load: dict[str, Any] | None = None,
         **config: Any,
     ) -> None:
-        from moee.commands.embed import check_config_fits_model
+        from moee.embed.config import check_config_fits_model
         from moee.embed.embedder import MoEEmbedder
         from moee.embed.validation import check_positive_int
         from moee.loading import LoadOptions
@@ -175,14 +175,14 @@ def model_facts(model: str | None, load: dict[str, Any], config: dict[str, Any])
     """What a sidecar records about the model, from one load where the actors run: its resolved
     path, weights digest, the vectors' width and, loaded in 4 bit, how much of it is
     (``quantization``; also refuses a configuration it cannot embed)."""
-    from moee.commands.embed import _run_facts
+    from moee.corpus import run_facts
     from moee.provenance import quantization_record
 
     embedder = MoEEmbedBatches(model, load=load, **config).embedder
     resolved = embedder.resolve_config(**config)
     quantized = quantization_record()
     return {
-        **_run_facts(embedder, 0),
+        **run_facts(embedder, 0),
         "dim": embedder.config_dim(resolved),
         **({"quantization": quantized} if quantized else {}),
     }

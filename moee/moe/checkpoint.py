@@ -3,7 +3,7 @@
 A checkpoint is a directory `step_XXXXXXXX/` holding
 - the model in transformers format (`config.json`, `model.safetensors`), so any checkpoint
   loads with `AutoModelForCausalLM.from_pretrained` after `import moee`, and wherever moee takes a
-  model (`moee.loading.load_model`: its tokenizer is the one the run names, `run_tokenizer`);
+  model (`moee.loading.load_model`: its tokenizer is the one the run names, `moee.loading.run_tokenizer`);
 - `optimizer.safetensors`: every optimizer state tensor, keyed `state.<param>.<name>`;
 - `rng.safetensors`: the torch CPU generator state (the gates' noise and any sampling);
 - `trainer_state.json`: step, data position, optimizer hyper-parameters (param groups), the
@@ -35,8 +35,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moee.io import match_folder_modes
+from moee.loading import CHECKPOINT_STATE_FILE
 
-STATE_FILE = "trainer_state.json"
+STATE_FILE = CHECKPOINT_STATE_FILE  # the loader reads the run's tokenizer from it
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
@@ -213,23 +214,6 @@ def _check_file_names(state_path: Path, files: Any) -> None:
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         raise ValueError(f"checkpoint file {state_path} is corrupt: no hash for {missing}")
-
-
-def run_tokenizer(path: str | os.PathLike) -> str | None:
-    """The tokenizer the run of checkpoint ``path`` was trained with (``trainer_state.json`` ->
-    ``config.data.tokenizer``, as the run's config gave it), or ``None`` when ``path`` is no
-    checkpoint or names none. Reads the state only (no hashes: nothing is resumed from it)."""
-    state_path = Path(path) / STATE_FILE
-    if not state_path.is_file():
-        return None
-    try:
-        state = json.loads(state_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"checkpoint file {state_path} is corrupt: {exc}") from exc
-    config = state.get("config") if isinstance(state, dict) else None
-    data = config.get("data") if isinstance(config, dict) else None
-    named = data.get("tokenizer") if isinstance(data, dict) else None
-    return named if isinstance(named, str) and named else None
 
 
 def read_state(path: str | os.PathLike) -> dict:

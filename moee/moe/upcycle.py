@@ -442,7 +442,7 @@ def calibration_texts(n: int = 256, corpus: str | Path | None = None) -> list[st
     from moee.io import iter_jsonl
 
     if corpus is None:
-        from moee.embed.embedder import DEFAULT_MODEL_DIR
+        from moee.loading import DEFAULT_MODEL_DIR
 
         corpus = DEFAULT_MODEL_DIR / "heldout.jsonl"
     return [row["text"] for _, row in islice(iter_jsonl(corpus), n)]

@@ -254,7 +254,7 @@ class EmbeddingService:
             raise ApiError(400, f"embedding configuration: {exc}", param=_field_of(exc, given)) from None
         # the numbers a field's text form held ("0:1e308") pass the checks the JSON ones did
         check_values({name: value for name, value in config.to_dict().items() if name in given})
-        from moee.commands.embed import check_config_fits_model
+        from moee.embed.config import check_config_fits_model
 
         try:
             check_config_fits_model(self.embedder, config)
