@@ -27,7 +27,7 @@ PACKAGE = ROOT / "moee"
 #: entry that names it or a package holding it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("moee.io", "moee.provenance", "moee.data")),
-    ("model", ("moee.loading", "moee.capture", "moee.moe", "moee.models")),
+    ("model", ("moee.loading", "moee.capture", "moee.moe", "moee.models", "moee.upcycle_settings")),
     ("embed", ("moee.embed", "moee.corpus", "moee.shard")),
     (
         "application",
@@ -195,11 +195,10 @@ def unlayered(graph: Graph) -> list[str]:
 
 
 def upward_arrows(graph: Graph) -> list[Import]:
-    """Arrows from a module to a module of a higher layer."""
+    """Arrows from a module to a module of a higher layer (modules in no layer: :func:`unlayered`)."""
+    judged = set(graph.modules) - set(unlayered(graph)) - {LAZY_ROOT}
     return [
-        i
-        for i in edges(graph)
-        if LAZY_ROOT not in (i.source, i.target) and layer_of(i.target) > layer_of(i.source)
+        i for i in edges(graph) if {i.source, i.target} <= judged and layer_of(i.target) > layer_of(i.source)
     ]
 
 
