@@ -9,7 +9,18 @@ Auto classes: at once when transformers is already loaded, else the moment it is
 
 from __future__ import annotations
 
+import os
+
 from moee.models import register_when_transformers_loads
+
+#: Compiled matmul kernels oneDNN (PyTorch's CPU backend for bfloat16 and float16) keeps, one per
+#: matmul shape. Its default, 1024, holds 0.3-1.6 MB per shape, and every batch of different
+#: length, and every expert's share of a batch's tokens, is a new shape: a bfloat16 run on the CPU
+#: grew by about 1 GB over a few hundred batches (OLMoE widths) before the cache was full. Set
+#: before torch's first bfloat16 matmul, unless the environment already sets it; recompiling an
+#: evicted kernel cost no measurable time.
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = "64"
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
 
 __version__ = "0.1.0"
 
