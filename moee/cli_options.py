@@ -9,7 +9,17 @@ Each field declares its flag beside itself, in ``dataclasses.field(metadata=...)
 - ``group``: a key of :data:`GROUPS` (e.g. the recipe flags);
 - ``flag``: the flag's name when it is not ``--field-name`` (``--allow-bin``);
 - ``repeatable``: the flag may be given several times, its values joined into one tuple (an
-  ensemble of ``--prompt``); ``None`` (``none``) cannot be joined with others.
+  ensemble of ``--prompt``); ``None`` (``none``) cannot be joined with others;
+- ``nargs``: argparse's (``"+"``: several values after one flag); ``action``: ``"append"`` only (the
+  flag may be given several times, each value kept);
+- ``embed``: the field holds a flags dataclass (``LoadOptions``; ``EmbeddingConfig``, whose flags
+  are then explicit, but for the fields in ``exclude``): its flags are added instead of one.
+
+A field without a default is a required flag, as is one whose metadata says ``required`` (a setting
+a library caller may leave unset, e.g. an output folder). A field with ``init=False`` (a value the
+settings derive) is no flag. A command's settings class (``moee report``'s
+``ReportSettings``, ...) is such a dataclass: :func:`add_field_arguments` adds its flags and
+:func:`settings_of` builds it from the parsed flags, so a new setting is one field.
 
 A bool embedding field becomes ``--<name>`` / ``--no-<name>``; a bool loading field whose default
 is false becomes ``--<name>`` (true: ``--no-<name>``). Adding an embedding option is one ``EmbeddingConfig`` field with this metadata: it
@@ -47,11 +57,26 @@ __all__ = [
     "load_options",
     "make_encoder",
     "model_config_of",
+    "settings_of",
 ]
 
 #: The metadata keys a field's flag may declare (others are an error: a typo must not vanish).
 METADATA_KEYS = frozenset(
-    {"help", "choices", "type", "metavar", "default_text", "group", "flag", "repeatable"}
+    {
+        "help",
+        "choices",
+        "type",
+        "metavar",
+        "default_text",
+        "group",
+        "flag",
+        "repeatable",
+        "nargs",
+        "action",
+        "embed",
+        "exclude",
+        "required",
+    }
 )
 #: Argument groups fields may name (``group``), by their title in ``--help``.
 GROUPS = {
@@ -113,18 +138,26 @@ def add_field_arguments(
     groups: dict[str, Any] = {}
     added = []
     for f in fields(cls):
-        if f.name in exclude:
+        if f.name in exclude or not f.init:
             continue
         meta = dict(f.metadata)
         unknown = set(meta) - METADATA_KEYS
-        if unknown or "help" not in meta:
+        if meta.get("embed") is EmbeddingConfig:
+            added += add_embedding_arguments(parser, exclude=meta.get("exclude", {}), paper=False)
+            continue
+        if meta.get("embed") is LoadOptions:
+            added += add_field_arguments(parser, LoadOptions, explicit=False)
+            continue
+        if unknown or "help" not in meta or meta.get("action", "append") != "append":
             raise TypeError(
                 f"{cls.__name__}.{f.name}: flag metadata needs 'help' and takes only "
                 f"{', '.join(sorted(METADATA_KEYS))}; got {', '.join(sorted(meta))}"
             )
         default = MODEL_DEFAULT_TEXT.format(_default_text(f)) if explicit else _default_text(f)
         # a value default is worth saying; an unset (None) or off (bool) one is not
-        shown = explicit or "default_text" in meta or _field_default(f) not in (None, True, False)
+        required = meta.get("required", False) or (f.default is MISSING and f.default_factory is MISSING)
+        empty = any(_field_default(f) is v for v in (None, True, False)) or _field_default(f) in ((), [])
+        shown = explicit or "default_text" in meta or not (required or empty)
         help_text = meta["help"] + (f" (default: {default})" if shown else "")
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if f.type in (bool, "bool") and explicit:  # both ways: a model's False can be overridden too
@@ -133,11 +166,16 @@ def add_field_arguments(
             kwargs["action"] = "store_false" if f.default is True else "store_true"
         else:
             kwargs["default"] = argparse.SUPPRESS if explicit else _field_default(f)
-            for key in ("choices", "type", "metavar"):
+            for key in ("choices", "type", "metavar", "nargs", "action"):
                 if key in meta:
                     kwargs[key] = meta[key]
             if meta.get("repeatable"):
                 kwargs["action"] = _Repeated
+            if meta.get("action") == "append":  # argparse appends to a copy of a list default
+                kwargs["default"] = list(kwargs["default"])
+            if required:
+                kwargs["required"] = True
+                kwargs.pop("default")
         target = parser
         if "group" in meta:
             title = GROUPS[meta["group"]]
@@ -145,6 +183,25 @@ def add_field_arguments(
         target.add_argument(_flag_name(f, explicit), **kwargs)
         added.append(f.name)
     return added
+
+
+def settings_of(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+    """The settings dataclass ``cls`` (:func:`add_field_arguments`' flags) from parsed flags: each
+    field from its flag (an embedded ``LoadOptions`` from the loading flags, an ``EmbeddingConfig``
+    resolved as :func:`embedding_config` does), ``given`` for the fields that are no flag."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if not f.init or f.name in given:
+            continue
+        embed = f.metadata.get("embed")
+        if embed is LoadOptions:
+            values[f.name] = load_options(args)
+        elif embed is EmbeddingConfig:
+            values[f.name] = embedding_config(args)
+        elif f.name in vars(args):
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values, **given)
 
 
 def _field_default(f: Field) -> Any:

@@ -28,15 +28,19 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moee.embed.config import MODEL_DEFAULT
 
+if TYPE_CHECKING:
+    from moee.analysis.settings import RoutesSettings
+
 __all__ = [
     "ROUTES_FORMAT",
     "ROW_GROUP_ROWS",
+    "export_routes",
     "iter_routing_batches",
     "read_routing_parquet",
     "routing_schema",
@@ -266,3 +270,43 @@ def read_routing_parquet(path: str | Path) -> tuple[Any, dict[str, Any]]:
             f"or replaced; {remedy}"
         )
     return pq.read_table(path), meta
+
+
+def export_routes(settings: RoutesSettings, *, command: Sequence[str] | None = None) -> tuple[Path, int]:
+    """``moee routes``: the corpus's token routes under ``settings`` (checked when built) written
+    to ``settings.out`` with its sealed sidecar; ``command`` is recorded (default: ``sys.argv``). Returns
+    the file and the number of texts. The output path and the corpus are checked before the model
+    loads; the corpus is streamed a batch of texts at a time."""
+    from moee.embed.embedder import MoEEmbedder
+    from moee.io import TextsDigest, check_output_path, read_texts, run_metadata
+
+    out = check_output_path(settings.out, overwrite=settings.overwrite, inputs={"--corpus": settings.corpus})
+    config = settings.config
+
+    def texts() -> Iterator[str]:
+        return islice(read_texts(settings.corpus, field=settings.field), settings.max_texts)
+
+    sum(1 for _ in texts())  # a bad row: now, before the model loads
+    embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
+    metadata = {
+        **run_metadata(list(command) if command is not None else None),
+        "model": settings.model,
+        "model_name_or_path": str(embedder.name_or_path),
+        "weights_digest": embedder.weights_digest,
+        "config": {"prompt": config.to_dict()["prompt"], "score": config.score},
+        "dense": settings.dense,
+        "max_length": embedder.max_length,
+        "corpus": str(settings.corpus),
+        "field": settings.field,
+    }
+    digest = TextsDigest()
+    batches = iter_routing_batches(
+        embedder,
+        digest.wrap(texts()),
+        dense=settings.dense,
+        prompt=config.prompt,
+        score=config.score,
+        batch_size=settings.batch_size,
+    )
+    write_routing_parquet(batches, out, metadata=metadata, overwrite=settings.overwrite, texts=digest)
+    return out, digest.count

@@ -31,11 +31,10 @@ import torch
 from transformers import PreTrainedModel
 
 from moee.io import FolderOutput
-from moee.moe.gate_registry import RouterFields, check_router_options, gate_spec, load_router_weight
+from moee.moe.gate_registry import load_router_weight
 from moee.moe.layer import COLLAPSE_MAX_OVER_MEAN
 from moee.moe.upcycled import (
     FAMILIES,
-    MODES,
     DenseFFN,
     MoEEUpcycledConfig,
     MoEEUpcycledForCausalLM,
@@ -46,11 +45,14 @@ from moee.moe.upcycled import (
     moe_layers,
     reorder_layers,
 )
+from moee.upcycle_settings import ROUTER_INITS, UpcycleSettings
+from moee.upcycle_settings import check_layer_order as _check_layer_order
 
 __all__ = [
     "COLLAPSE_MAX_OVER_MEAN",
     "ROUTER_INITS",
     "SHARED_SELECTIONS",
+    "UpcycleSettings",
     "UpcycleWarning",
     "balance_routers",
     "balanced_assign",
@@ -60,10 +62,10 @@ __all__ = [
     "router_load_report",
     "split_neurons",
     "upcycle",
+    "upcycle_to_folder",
     "save_upcycled",
 ]
 
-ROUTER_INITS = ("centroid", "random", "zero")
 SHARED_SELECTIONS = ("norm", "central")
 
 
@@ -171,20 +173,6 @@ def split_neurons(
     return groups, centroids
 
 
-def _check_layer_order(order: list[int] | None, n_layers: int | None) -> None:
-    """A layer order is a non-empty list of layer indices in ``[0, n_layers)`` (checked on the
-    config, before the weights load)."""
-    if order is None:
-        return
-    bad = not isinstance(order, (list, tuple)) or not order
-    bad = bad or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in order)
-    if not bad and n_layers is not None:
-        bad = any(i >= n_layers for i in order)
-    if bad:
-        where = f"[0, {n_layers})" if n_layers is not None else "[0, number of layers)"
-        raise ValueError(f"layer order must be a non-empty list of layer indices in {where}, got {order!r}")
-
-
 def _load_dense(
     src: str | Path | PreTrainedModel,
     dtype: torch.dtype | None,
@@ -220,29 +208,22 @@ def _load_dense(
 
 def upcycle(
     src: str | Path | PreTrainedModel,
+    settings: UpcycleSettings | None = None,
     *,
-    n_experts: int,
-    top_k: int,
-    mode: str = "split",
-    shared_neurons: int = 0,
-    shared_select: str = "norm",
-    shared_copy: bool = False,
-    router_init: str | None = None,
-    router_std: float = 0.02,
-    seed: int = 0,
-    dtype: torch.dtype | None = None,
-    causal: bool = False,
-    layer_order: list[int] | None = None,
-    router_type: str = "loss_free",
-    router_bias_gamma: float = 1e-3,
-    router_options: dict[str, Any] | None = None,
-    balance_router: bool = True,
     calibration: torch.Tensor | None = None,
     calibration_mask: torch.Tensor | None = None,
     tokenizer: Any = None,
-    lora_rank: int = 8,
+    **keywords: Any,
 ) -> MoEEUpcycledPreTrainedModel:
     """Build an MoE model from a dense checkpoint (a path / hub name, or a loaded model).
+
+    ``settings`` (:class:`moee.upcycle_settings.UpcycleSettings`, checked when built) says how; a
+    Python caller may give its keywords instead (``n_experts``, ``top_k``, ``mode="split"``,
+    ``shared_neurons=0``, ``shared_select="norm"``, ``shared_copy=False``, ``router_init=None``,
+    ``router_std=0.02``, ``seed=0``, ``dtype=None``, ``causal=False``, ``layer_order=None``,
+    ``router_type="loss_free"``, ``router_bias_gamma=1e-3``, ``router_options=None``,
+    ``balance_router=True``, ``lora_rank=8``: `UpcycleSettings.from_keywords`), which build the same
+    settings and name their errors by keyword.
 
     ``src`` must be a Llama / Mistral / Qwen2 / Qwen3 / GPT-2 causal LM or a BERT / RoBERTa encoder
     (``moee.moe.upcycled.FAMILIES``); its weights are read from safetensors only. ``router_init``
@@ -282,49 +263,20 @@ def upcycle(
     (`router_load_report`), and a collapsed layer (max/mean load above
     `COLLAPSE_MAX_OVER_MEAN`, or a dead expert) raises an `UpcycleWarning`.
     """
-    gate_spec(router_type)  # an unknown name fails here, before the dense model loads
-    known = [k for k in RouterFields.__dataclass_fields__ if k != "router_type"]
-    unknown = sorted(k for k in (router_options or {}) if k not in known)
-    if unknown:
-        raise ValueError(f"unknown router option(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    check_router_options(router_options or {})  # by each field's type: no "maybe" bool, no NaN
-    router_fields = {"router_bias_gamma": router_bias_gamma, **(router_options or {})}
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    router_init = router_init or ("random" if mode == "copy" else "centroid")
-    if router_init not in ROUTER_INITS:
-        raise ValueError(f"router_init must be one of {ROUTER_INITS}, got {router_init!r}")
-    if mode == "copy" and router_init == "centroid":
-        raise ValueError(
-            "router_init='centroid' needs mode='split': copied experts are identical, there is nothing to cluster"
-        )
-    if mode != "split" and shared_neurons:
-        raise ValueError(
-            "shared_neurons is for mode='split'; use shared_copy=True for a copied shared expert "
-            "(mode='lora' always keeps the whole FFN shared)"
-        )
-    if mode != "copy" and shared_copy:
-        raise ValueError("shared_copy is for mode='copy'; use shared_neurons=N for split mode")
-    if mode == "lora" and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
-        raise ValueError(f"lora_rank must be a positive int for mode='lora', got {lora_rank!r}")
-    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 1:
-        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k must be an int in [1, n_experts={n_experts}], got {top_k!r}")
-    for name, value in (
-        ("router_std", router_std),
-        ("router_bias_gamma", router_fields["router_bias_gamma"]),
-    ):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    _check_layer_order(layer_order, None)
-    if not isinstance(balance_router, bool):  # None once meant "the default"; now it would mean off
-        raise ValueError(f"balance_router must be True or False, got {balance_router!r}")
+    if settings is None:  # every value checked there, before the dense model loads
+        settings = UpcycleSettings.from_keywords(**keywords)
+    elif keywords:
+        raise TypeError(f"upcycle takes settings or keywords, not both: got {', '.join(sorted(keywords))}")
+    mode, n_experts, top_k, seed = settings.mode, settings.experts, settings.top_k, settings.seed
+    shared_neurons, shared_select, shared_copy = (
+        settings.shared_neurons,
+        settings.shared_select,
+        settings.shared_copy,
+    )
+    lora_rank, router_std, causal = settings.lora_rank, settings.router_std, settings.causal
+    layer_order = list(settings.layer_order) if settings.layer_order is not None else None
+    dtype = getattr(torch, settings.dtype) if settings.dtype is not None else None
+    router_init = settings.router_init or ("random" if mode == "copy" else "centroid")
 
     # every random draw below comes from `seed`; the caller's generator state is restored after.
     # Every draw is made on the CPU, so only its generator is seeded (torch.manual_seed would also
@@ -392,9 +344,8 @@ def upcycle(
             expert_intermediate_size=width,
             shared_intermediate_size=shared_width,
             router_init=router_init,
-            router_type=router_type,
             upcycled_from=str(name) if name else None,
-            **router_fields,
+            **settings.router_config,
         )
         model = expected(config, dense=dense_model)
         for moe, (ffn, groups, shared, router, lora_a) in zip(model.moe_ffns(), plans, strict=True):
@@ -408,7 +359,7 @@ def upcycle(
             tokenizer = _local_tokenizer(Path(src))
         sample, mask = _calibration_sample(model, calibration, calibration_mask, seed, tokenizer)
         fit, held = _split_sample(len(sample))
-        if balance_router:
+        if settings.router_balance:
             balance_routers(model, [plan[3] for plan in plans], sample[fit], mask[fit])
         report = router_load_report(model, sample[held], mask[held])
     model.router_load_report = report
@@ -710,3 +661,114 @@ def save_upcycled(
 
 #: transformers ``model_type`` names accepted by :func:`upcycle`.
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
+
+
+def _check_corpus(path: str, what: str) -> None:
+    """Read ``path`` through once: every line a JSON object with a string ``text``, at least one."""
+    from moee.io import check_input_file, iter_jsonl
+
+    corpus = check_input_file(path, what)
+    n = 0
+    for line, row in iter_jsonl(corpus):
+        if not isinstance(row.get("text"), str):
+            raise ValueError(f"{corpus}:{line}: needs a string 'text' field")
+        n += 1
+    if n == 0:
+        raise ValueError(f"{what} {corpus} holds no texts")
+
+
+def _tokenizer_source(src: str) -> str | None:
+    """Where the source's tokenizer is read from: ``src`` itself when it is a folder holding one
+    or a Hub name, else ``None``."""
+    path = Path(src)
+    if not path.exists():
+        return src
+    has = path.is_dir() and any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+    )
+    return src if has else None
+
+
+def _adapt_tokenizer(model: MoEEUpcycledPreTrainedModel, tokenizer: Any, settings: UpcycleSettings):
+    """The tokenizer to save: trimmed to ``--trim-vocab``'s tokens (the model's embeddings too) and,
+    for an encoder made causal, with a BOS-only template (any fast tokenizer: WordPiece for BERT,
+    byte-level BPE for RoBERTa; only trimming needs a WordPiece / WordLevel vocabulary)."""
+    import numpy as np
+
+    from moee.io import iter_jsonl
+    from moee.moe.vocab import causal_template, keep_for_counts, trim_vocabulary
+
+    if settings.trim_vocab:
+        from tqdm.auto import tqdm
+
+        counts = np.zeros(len(tokenizer), dtype=np.int64)
+        batch: list[str] = []
+
+        def flush() -> None:
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                counts[:] += np.bincount(ids, minlength=len(counts))[: len(counts)]
+            batch.clear()
+
+        for _, row in tqdm(iter_jsonl(settings.trim_vocab), desc="count tokens", unit=" docs"):
+            batch.append(row["text"])  # every row was checked before loading
+            if len(batch) >= 1000:
+                flush()
+        flush()
+        keep = keep_for_counts(tokenizer, counts, settings.min_count)
+        model, tokenizer, _ = trim_vocabulary(model, tokenizer, keep)
+    if settings.causal and not family_rule(model.config.text_config.model_type).decoder:
+        tokenizer = causal_template(tokenizer)
+    return tokenizer
+
+
+def upcycle_to_folder(
+    src: str, settings: UpcycleSettings
+) -> tuple[MoEEUpcycledPreTrainedModel, Path, Any, str]:
+    """``moee upcycle``: the MoE model of the dense ``src`` under ``settings``, written to
+    ``settings.out`` (staged, committed by rename) with the source's tokenizer, trimmed to
+    ``trim_vocab``'s tokens and made BOS-only for an encoder made causal. Every input is checked
+    before the dense model loads: the output folder (empty or ``overwrite``, neither an input nor
+    holding or inside one), the ``trim_vocab`` and ``calibrate`` corpora (read through once), the
+    tokenizer. Returns the model, the folder, the saved tokenizer (``None``: the source has none)
+    and what the routers were balanced on."""
+    from moee.io import check_output_folder
+
+    if settings.out is None:
+        raise ValueError("--out is required: the folder the model is written to")
+    inputs = settings.inputs(src)
+    check_output_folder(settings.out, overwrite=settings.overwrite, inputs=inputs, output=UPCYCLED_OUTPUT)
+    if settings.trim_vocab:
+        _check_corpus(settings.trim_vocab, "--trim-vocab corpus")
+    if settings.calibrate:
+        _check_corpus(settings.calibrate, "--calibrate corpus")
+    tokenizer_from = _tokenizer_source(src)
+    if tokenizer_from is None and (settings.trim_vocab or settings.calibrate):
+        raise ValueError(f"--trim-vocab / --calibrate need the tokenizer of {src}, and it has none")
+    tokenizer = None
+    if tokenizer_from is not None:  # loaded (and checked) before the model
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    if settings.trim_vocab:
+        from moee.moe.vocab import check_trimmable
+
+        check_trimmable(tokenizer)
+    calibration = mask = None
+    source = settings.calibrate or settings.trim_vocab
+    texts = calibration_texts(corpus=source) if source else None
+    if texts:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+        calibration, mask = enc["input_ids"], enc["attention_mask"]
+    model = upcycle(src, settings, calibration=calibration, calibration_mask=mask, tokenizer=tokenizer)
+    if tokenizer is not None and (settings.trim_vocab or settings.causal):
+        tokenizer = _adapt_tokenizer(model, tokenizer, settings)
+    out = save_upcycled(model, settings.out, tokenizer=tokenizer, overwrite=settings.overwrite, inputs=inputs)
+    if source:
+        sample = f"the first {len(texts)} texts of {source}"
+    elif tokenizer is not None:
+        sample = (
+            "256 documents of nine kinds shipped with moee (--calibrate CORPUS.jsonl balances on your text)"
+        )
+    else:
+        sample = "seeded random token ids (the model has no tokenizer)"
+    return model, out, tokenizer, sample

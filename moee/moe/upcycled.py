@@ -63,6 +63,7 @@ from moee.moe.gate_registry import RouterFields, build_gate, gate_spec, load_rou
 from moee.moe.gates import init_unsaved_state
 from moee.moe.layer import MoEERouter, dispatch_combine, routing_stats
 from moee.moe.lm import MoEECausalLMOutput
+from moee.upcycle_settings import MODES  # the upcycling modes, declared with the settings
 
 __all__ = [
     "FAMILIES",
@@ -81,7 +82,6 @@ __all__ = [
     "moe_layers",
 ]
 
-MODES = ("split", "copy", "lora")
 
 # The router logits of the forward running in this context: a list while a caller asked for
 # ``output_router_logits``, else None (a context variable, so concurrent forwards never mix).
