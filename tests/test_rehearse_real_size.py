@@ -1,0 +1,112 @@
+"""scripts/rehearse_real_size.py: checkpoints of the real MoE configurations, written a layer at a time.
+
+At tiny widths (``--tiny``, same structure) every named configuration is written as Hub-style
+safetensors shards with an index, loads with moee's loader in bfloat16, and holds exactly the
+tensors of a model built directly from the same seeded state, so its forward is that model's. At
+full depth (on the ``meta`` device, no memory) each configuration has its published parameter
+count. The measured ``run`` steps work end to end on a tiny folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rehearse_real_size.py"
+
+
+@pytest.fixture(scope="module")
+def rehearse():
+    spec = importlib.util.spec_from_file_location("rehearse_real_size", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+NAMES = ("olmoe-1b-7b", "qwen1.5-moe-a2.7b", "deepseek-moe-16b", "gpt-oss-20b", "qwen3-30b-a3b")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_depth_has_the_published_parameter_count(rehearse, name):
+    model = rehearse.meta_model(rehearse.build_config(name))
+    count = sum(p.numel() for p in model.parameters())
+    assert count == pytest.approx(rehearse.CONFIGS[name]["params"], rel=0.01)
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_written_folder_loads_and_is_the_model_of_its_state(rehearse, name, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moee.loading import LoadOptions, load_model
+
+    folder = tmp_path / name
+    manifest = rehearse.write_checkpoint(name, folder, tiny=True, shard_bytes=4_000_000)
+    assert manifest["shards"] >= 2  # the index and the shard boundaries are exercised
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    stored = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(folder / shard, "pt") as f:
+            stored.update({key: shard for key in f.keys()})
+    assert stored == index["weight_map"]
+    assert index["metadata"]["total_size"] == manifest["weight_bytes"]
+    if name != "gpt-oss-20b":  # stored per expert, as on the Hub (gpt-oss keeps fused experts)
+        assert any(".experts.0." in key for key in stored), sorted(stored)[:5]
+
+    loaded = load_model(folder, LoadOptions(dtype="bfloat16", device="cpu"))
+    model = loaded.model.eval()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert len(loaded.tokenizer) <= model.config.vocab_size
+    config = AutoConfig.from_pretrained(folder)
+    direct = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    direct.load_state_dict(rehearse.model_state(config, seed=0), strict=True)
+    theirs = direct.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+    batch = loaded.tokenizer(["the cat sat on the mat", "a dog"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, direct(**batch).logits)
+    matrices = [
+        (n, p) for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n and "bias" not in n
+    ]
+    stds = [float(p.detach().float().std()) for _, p in matrices]
+    assert 0.015 < min(stds) and max(stds) < 0.025, stds  # the config's initializer_range, 0.02
+
+
+def test_reduced_depth_and_unknown_names_are_checked(rehearse):
+    assert rehearse.build_config("olmoe-1b-7b", layers=2).num_hidden_layers == 2
+    config = rehearse.build_config("gpt-oss-20b", layers=3)
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    with pytest.raises(SystemExit, match="--layers must be in 2..28"):
+        rehearse.build_config("deepseek-moe-16b", layers=1)  # its first layer is dense: no MoE left
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        rehearse.build_config("olmoe-7b")
+
+
+def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
+    folder = tmp_path / "tiny-olmoe"
+    rehearse.write_checkpoint("olmoe-1b-7b", folder, tiny=True)
+    out = tmp_path / "result.json"
+    argv = ["run", str(folder), "--texts", "12", "--steps", "embed,serve,oracle", "--result", str(out)]
+    assert rehearse.main([*argv, "--delete"]) == 0
+    document = json.loads(out.read_text())
+    steps = {step["step"]: step for step in document["steps"]}
+    assert set(steps) == {"embed", "serve", "oracle"}
+    for step in steps.values():
+        assert step["returncode"] == 0 and step["loads"] == 1, step
+        assert (
+            step["rss_anon_before_load_bytes"]
+            < step["rss_anon_after_load_bytes"]
+            <= step["peak_rss_anon_bytes"]
+        )
+        assert step["peak_held_bytes"] >= step["peak_rss_anon_bytes"]
+    assert steps["serve"]["texts"] == 12 and steps["serve"]["vectors_finite"]
+    assert steps["oracle"]["check"]["passed"] and steps["oracle"]["check"]["dtype"] == "torch.bfloat16"
+    assert document["deleted"] and not folder.exists()
