@@ -78,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the delta folder to write")
     parser.add_argument("--heldout", default="build/corpus/heldout.jsonl")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--dtype",
+        choices=("float16", "float32"),
+        default="float16",
+        help="the delta's stored precision (default %(default)s: half the bytes; every figure is "
+        "measured on the model assembled from the stored delta)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moee.io import iter_jsonl, write_json_atomic
     from moee.models.smollm2 import GGUF_NAME, GGUF_SHA256, PACKAGE, PACKAGE_VERSION, dense_base, file_sha256
-    from moee.moe.delta import MANIFEST_FILE, assemble, save_delta
+    from moee.moe.delta import MANIFEST_FILE, assemble, build_from_delta, save_delta
     from moee.moe.trainer import eval_windows, load_tokens, tokenize_to_file
     from moee.moe.upcycled import MoEEUpcycledForCausalLM
     from moee.provenance import package_versions
@@ -100,18 +107,35 @@ def main(argv: list[str] | None = None) -> int:
             "gguf_sha256": GGUF_SHA256,
             "weights_sha256": file_sha256(base / "model.safetensors"),
         },
+        dtype=getattr(torch, args.dtype),
+    )
+    # the model's own embedding configuration (what every command uses when no flag says otherwise)
+    write_json_atomic(
+        out / "moee_embedding.json",
+        {
+            "format": "moee-embedding-config",
+            "format_version": 1,
+            "config": {
+                "method": "moee_sum",
+                "pooling": "mean",
+                "prompt": None,
+                "score": "native",
+                "alpha": 1.0,
+            },
+        },
     )
     tokenizer = AutoTokenizer.from_pretrained(base)
     texts = [row["text"] for _, row in iter_jsonl(args.heldout)]
     windows = eval_windows(
         load_tokens(tokenize_to_file(args.heldout, tokenizer, "build/tokens")), SEQ_LEN, WINDOWS
     )
-    with tempfile.TemporaryDirectory() as tmp:  # the delta must rebuild the checkpoint exactly
+    with tempfile.TemporaryDirectory() as tmp:  # the folder built from the delta = the model in memory
         built = MoEEUpcycledForCausalLM.from_pretrained(assemble(out, base, Path(tmp) / "m")).eval()
+        model = build_from_delta(out, base)  # the stored (rounded) delta: what every figure measures
         probe = windows[:2]
         with torch.no_grad():
             if not torch.equal(built(input_ids=probe).logits, model(input_ids=probe).logits):
-                raise SystemExit("the model assembled from the delta does not reproduce the checkpoint")
+                raise SystemExit("the model assembled from the delta does not reproduce the delta's model")
         manifest = json.loads((out / MANIFEST_FILE).read_text())
         manifest["model_sha256"] = file_sha256(Path(tmp) / "m" / "model.safetensors")
         write_json_atomic(out / MANIFEST_FILE, manifest)

@@ -261,3 +261,21 @@ def test_assembly_never_replaces_a_folder_it_did_not_build_and_writes_normal_mod
     out = assemble(delta, base, tmp_path / "built")
     assert (out / "model.safetensors").stat().st_mode & 0o777 == (out.stat().st_mode & 0o666)
     assert (delta / DELTA_FILE).stat().st_mode & 0o777 == (delta.stat().st_mode & 0o666)
+
+
+def test_a_float16_delta_is_half_the_bytes_and_assembles_to_its_rounded_model(base_and_delta, tmp_path):
+    from moee.moe.delta import DELTA_FILE, assemble, build_from_delta, save_delta
+    from moee.models.smollm2 import file_sha256
+
+    base, delta32, model = base_and_delta
+    half = save_delta(
+        model,
+        tmp_path / "half",
+        {"source": "tiny", "weights_sha256": file_sha256(base / "model.safetensors")},
+        dtype=torch.float16,
+    )
+    assert (half / DELTA_FILE).stat().st_size < 0.6 * (delta32 / DELTA_FILE).stat().st_size
+    rounded = build_from_delta(half, base)
+    assembled = MoEEUpcycledForCausalLM.from_pretrained(assemble(half, base, tmp_path / "h"))
+    assert torch.equal(logits(assembled), logits(rounded))
+    assert 0 < (logits(rounded) - logits(model)).abs().max() < 1e-2  # rounded, not another model

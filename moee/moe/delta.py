@@ -67,10 +67,15 @@ def _sha256(path: Path) -> str:
     return file_sha256(path)
 
 
-def save_delta(model: Any, folder: str | os.PathLike, base: dict[str, str]) -> Path:
+def save_delta(
+    model: Any, folder: str | os.PathLike, base: dict[str, str], dtype: torch.dtype | None = None
+) -> Path:
     """Write ``model``'s delta (`delta_state_dict`), its config and ``delta.json`` into ``folder``
     (created; existing delta files replaced, other files kept). ``base`` names the dense weights it
-    fits: ``{"source": ..., "weights_sha256": ...}`` (the sha256 of the base's model.safetensors)."""
+    fits: ``{"source": ..., "weights_sha256": ...}`` (the sha256 of the base's model.safetensors).
+    ``dtype`` stores the floating tensors rounded to it (e.g. float16: half the bytes); the model
+    assembled from the delta computes in its own dtype with the rounded values, so measure that
+    model (`build_from_delta`), not the one saved."""
     from safetensors.torch import save_file
 
     from moee.io import write_json_atomic
@@ -79,13 +84,17 @@ def save_delta(model: Any, folder: str | os.PathLike, base: dict[str, str]) -> P
         raise ValueError(f"base must name 'source' and 'weights_sha256', got {sorted(base)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(delta_state_dict(model), folder / DELTA_FILE, metadata={"format": "pt"})
+    tensors = delta_state_dict(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(tensors, folder / DELTA_FILE, metadata={"format": "pt"})
     os.chmod(folder / DELTA_FILE, folder.stat().st_mode & 0o666)  # safetensors writes 0600
     model.config.to_json_file(folder / "config.json")
     manifest = {
         "format": FORMAT,
         "base": dict(base),
         "delta_sha256": _sha256(folder / DELTA_FILE),
+        "delta_dtype": str(dtype or next(iter(tensors.values())).dtype).replace("torch.", ""),
         "model_class": type(model).__name__,
     }
     write_json_atomic(folder / MANIFEST_FILE, manifest)
