@@ -142,10 +142,10 @@ def add_field_arguments(
             continue
         meta = dict(f.metadata)
         unknown = set(meta) - METADATA_KEYS
-        if meta.get("embed") is EmbeddingConfig:
+        if _embeds(f, EmbeddingConfig):
             added += add_embedding_arguments(parser, exclude=meta.get("exclude", {}), paper=False)
             continue
-        if meta.get("embed") is LoadOptions:
+        if _embeds(f, LoadOptions):
             added += add_field_arguments(parser, LoadOptions, explicit=False)
             continue
         if unknown or "help" not in meta or meta.get("action", "append") != "append":
@@ -185,6 +185,12 @@ def add_field_arguments(
     return added
 
 
+def _embeds(f: Field, options: type) -> bool:
+    """Whether the field ``f`` embeds the flags of ``options`` (or of a class it extends)."""
+    embed = f.metadata.get("embed")
+    return isinstance(embed, type) and issubclass(options, embed)
+
+
 def settings_of(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     """The settings dataclass ``cls`` (:func:`add_field_arguments`' flags) from parsed flags: each
     field from its flag (an embedded ``LoadOptions`` from the loading flags, an ``EmbeddingConfig``
@@ -193,10 +199,9 @@ def settings_of(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     for f in fields(cls):
         if not f.init or f.name in given:
             continue
-        embed = f.metadata.get("embed")
-        if embed is LoadOptions:
+        if _embeds(f, LoadOptions):
             values[f.name] = load_options(args)
-        elif embed is EmbeddingConfig:
+        elif _embeds(f, EmbeddingConfig):
             values[f.name] = embedding_config(args)
         elif f.name in vars(args):
             value = getattr(args, f.name)
