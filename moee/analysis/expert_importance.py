@@ -178,11 +178,46 @@ def _input_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+#: Logits per slice when the losses' float32 arithmetic runs: a ``[rows, vocab]`` block at a time,
+#: never float32 copies of the batch's ``[B, T, V]`` logits (at batch 16 x 128 tokens and a 152k
+#: vocabulary each copy is 1.2 GB; in bfloat16 they were two such copies beside the model's own).
+LOSS_LOGITS = 1 << 22
+
+
+def _row_slices(logits: torch.Tensor, length: int) -> Iterator[tuple[int, slice]]:
+    """``(row, positions)`` covering ``logits[:, :length]`` in blocks of about :data:`LOSS_LOGITS`."""
+    step = max(1, LOSS_LOGITS // int(logits.shape[-1]))
+    for row in range(logits.shape[0]):
+        for start in range(0, length, step):
+            yield row, slice(start, min(start + step, length))
+
+
+def _next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T - 1]`` float32 next-token losses of ``logits [B, T, V]`` (any dtype), computed a
+    slice at a time (:func:`_row_slices`)."""
+    targets = ids[:, 1:].to(logits.device)
+    nll = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+    for row, where in _row_slices(logits, targets.shape[1]):
+        nll[row, where] = F.cross_entropy(logits[row, where].float(), targets[row, where], reduction="none")
+    return nll
+
+
+def _kl_per_token(base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float32 KL(softmax(base) || softmax(other)) of two ``[B, T, V]`` logits, a slice
+    at a time (:func:`_row_slices`)."""
+    kl = torch.empty(base.shape[:2], dtype=torch.float32, device=base.device)
+    for row, where in _row_slices(base, base.shape[1]):
+        p = base[row, where].float().log_softmax(-1)
+        q = other[row, where].float().log_softmax(-1)
+        kl[row, where] = (p.exp() * (p - q)).sum(-1)
+    return kl
+
+
 def _batch_losses(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Next-token losses of the real predicted positions of one batch, row by row, float32."""
     device = _input_device(model)
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-    nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:].to(device), reduction="none")
+    nll = _next_token_nll(logits, ids)
     real = (mask[:, 1:] * mask[:, :-1]).bool()
     return nll.cpu()[real]
 
@@ -664,17 +699,17 @@ def _steered_outputs(
         with context, RoutingRecorder(model, specs, pooling="tokens") as rec:
             rec.set_batch(mask)
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-            return logits.float().log_softmax(-1), rec.token_selection()
+            return logits, rec.token_selection()  # in the model's dtype: float32 only a slice at a time
 
     with torch.inference_mode():
         for ids, mask in corpus.batches(batch_size):
             real = mask.bool()
-            base_logp, base_sel = run(ids, mask, None)
+            base_logits, base_sel = run(ids, mask, None)
             n += int(real.sum())
             n_real += int(real.sum())
             for s, biases in enumerate(bias_sets):
-                logp, sel = run(ids, mask, biases)
-                kl = (base_logp.exp() * (base_logp - logp)).sum(-1).cpu()[real]
+                logits, sel = run(ids, mask, biases)
+                kl = _kl_per_token(base_logits, logits).cpu()[real]
                 kl_sums[s] += float(kl.double().sum())
                 for layer, expert in biases:
                     for j, picked in enumerate((base_sel, sel)):
