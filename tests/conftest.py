@@ -12,6 +12,21 @@ import torch
 from moee.capture.tiny import tiny_model, tiny_tokenizer
 from moee.embed.embedder import MoEEmbedder
 
+# A test marked ``all_architectures`` is parametrized over every supported architecture (``model_type``).
+# The full suite (plain ``pytest``, as CI runs it) checks them all; the quick loop (``-m "not slow"``)
+# keeps two representatives: a softmax router and a sigmoid router with a selection-only bias.
+QUICK_ARCHITECTURES = ("olmoe", "deepseek_v3")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every architecture but the quick representatives slow, before ``-m`` deselects."""
+    for item in items:
+        if item.get_closest_marker("all_architectures") is None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("model_type") not in QUICK_ARCHITECTURES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="module")
 def tiny_olmoe() -> torch.nn.Module:

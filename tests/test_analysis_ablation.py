@@ -119,6 +119,7 @@ def tiny_setup(tmp_path):
     return base, tmp_path
 
 
+@pytest.mark.slow
 def test_run_ablation_trains_each_row_and_reuses_results(tiny_setup, monkeypatch):
     base, tmp_path = tiny_setup
     rows = run_ablation(base, tmp_path / "abl", weights=[(0.0, 0.0), (1.0, 1.0)], progress=False)

@@ -48,7 +48,7 @@ def tiny(tmp_path_factory):
         max_position_embeddings=128,
         eos_token_id=2,
     )
-    path = tmp_path_factory.mktemp("tiny-olmoe")
+    path = tmp_path_factory.mktemp("tiny-olmoe-report")  # conftest's folder is tiny-olmoe0
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return MoEEmbedder(model, fast), path
@@ -67,6 +67,7 @@ class _Collect(HTMLParser):
             self.imgs.append(attrs["src"])
 
 
+@pytest.mark.slow
 def test_report_on_a_tiny_olmoe_and_a_20_line_corpus(tiny, tmp_path):
     embedder, _ = tiny
     corpus = [(t, f"topic{i % 3}") for i, t in enumerate(CORPUS)]
@@ -96,6 +97,7 @@ def test_report_on_a_tiny_olmoe_and_a_20_line_corpus(tiny, tmp_path):
         assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_cli_report_with_domain_field(tiny, tmp_path, capsys):
     _, model_dir = tiny
     corpus = tmp_path / "corpus.jsonl"

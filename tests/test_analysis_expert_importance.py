@@ -72,6 +72,7 @@ def test_the_planted_premise_holds(planted) -> None:
     assert losses["a"] < 2.4 < 4.0 < losses["b"]  # a: uniform over its 10 tokens, log 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["reselect", "zero"])
 def test_the_planted_expert_ranks_first_for_its_domain_and_nowhere_else(planted, mode) -> None:
     model, corpus, base = planted
@@ -106,6 +107,7 @@ def test_a_never_selected_expert_scores_zero(planted) -> None:
     assert row["null"] == 0.0  # load 0: the null disables nothing
 
 
+@pytest.mark.slow
 def test_the_nulls_sit_at_their_baseline_on_a_random_router() -> None:
     """On a random model the experts are exchangeable: the mean importance of the experts and the
     mean of their load-matched nulls agree to within the spread of the importances."""
@@ -120,6 +122,7 @@ def test_the_nulls_sit_at_their_baseline_on_a_random_router() -> None:
     assert float(nulls.abs().mean()) > 0
 
 
+@pytest.mark.slow
 def test_an_identical_router_swap_changes_nothing_another_does(planted) -> None:
     model, corpus, base = planted
     same = router_swap(model, copy.deepcopy(model), corpus, batch_size=4, base=base)
@@ -162,6 +165,7 @@ def test_the_steering_null_draws_other_experts_of_the_same_layers_from_its_seed(
         null_biases({(0, e): 1.0 for e in range(5)}, [8])
 
 
+@pytest.mark.slow
 def test_steering_moves_selection_distribution_and_embedding(tiny_embedder) -> None:
     texts = ["the cat sat on the mat", "a dog ran in the park", "the bird sang"]
     corpus = build_corpus([(t, "x") for t in texts], tiny_embedder.tokenizer)
@@ -187,6 +191,7 @@ def test_steering_moves_selection_distribution_and_embedding(tiny_embedder) -> N
     json.dumps(steered)
 
 
+@pytest.mark.slow
 def test_the_command_writes_json_csv_and_a_reading(tiny_model_dir, tmp_path) -> None:
     from moee.cli import main
 

@@ -344,6 +344,7 @@ def _rw_with_groups(gold, seed=3):
     return np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_clustering_overlap_same_structure_in_rw_and_hs():
     hs, gold = blobs(seed=1)
     rw = _rw_with_groups(gold)  # a different space with the same three groups
@@ -359,6 +360,7 @@ def test_clustering_overlap_same_structure_in_rw_and_hs():
     assert "rw_vs_gold" not in clustering_overlap(rw, hs, 3)
 
 
+@pytest.mark.slow
 def test_clustering_overlap_passes_its_options_on():
     hs, gold = blobs(seed=1)
     rw = _rw_with_groups(gold)
@@ -396,6 +398,7 @@ class FakeTracer:
         return SimpleNamespace(rw=self.rw, hs=self.hs, prompt=kwargs["prompt"] or "none")
 
 
+@pytest.mark.slow
 def test_overlap_for_texts_traces_once_and_sweeps():
     hs, gold = blobs(seed=1)
     rw = _rw_with_groups(gold)
@@ -416,6 +419,7 @@ def test_overlap_for_texts_traces_once_and_sweeps():
     assert tracer.calls[0][1] == {"pooling": "last", "prompt": None, "score": DEFAULT_SCORE, "batch_size": 32}
 
 
+@pytest.mark.slow
 def test_plot_overlap_sweep_draws_every_curve(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 

@@ -96,6 +96,7 @@ def test_bar_colours_follow_the_seed_thresholds():
     assert colours[:5] == [RED, TEAL, TEAL, DIM, TEAL]
 
 
+@pytest.mark.slow
 def test_run_showcase_writes_frames_pngs_and_json(tmp_path):
     payload = run_showcase(tmp_path, blends=(0.0, 1.0), steps=10, frame_every=5, command=["test"])
     for name in ("simulate_off.gif", "simulate_on.gif", "simulate_final.png", "simulate_max_over_mean.png"):

@@ -206,6 +206,7 @@ def test_report_options_and_errors():
         build_report(FakeEmbedder(), [3], progress=False)
 
 
+@pytest.mark.slow
 def test_render_html_is_self_contained_with_every_section():
     rep = build_report(FakeEmbedder(), CORPUS, progress=False)
     rep["meta"] = {"command": "moee report <test>"}
@@ -243,6 +244,7 @@ def test_selection_scores_override_the_probabilities_for_top_k():
         acc.update(np.array([1]), probs[:1], text_index=1, selection=probs)
 
 
+@pytest.mark.slow
 def test_report_counts_the_loss_free_gates_biased_selection():
     """With a selection bias that forces expert 0, every token must select it (load share 1/k)."""
     import torch
@@ -297,6 +299,7 @@ def test_vocabulary_baseline_is_the_exact_permutation_expectation():
     assert acc.result(decode, min_token_count=3)["vocabulary"]["by_layer"][0]["baseline"] is None
 
 
+@pytest.mark.slow
 def test_layer_agreement_baseline_is_the_exact_permutation_expectation():
     """First choices e0 e0 e1 e1 in both layers (E=2). Pairing layer 1 randomly with layer 0, the
     table is [[a, 2-a], [2-a, a]] with P(a=2) = P(a=0) = 1/6, P(a=1) = 4/6: matched agreement
@@ -444,6 +447,7 @@ def _architectures():
     return supported_architectures()
 
 
+@pytest.mark.all_architectures
 @pytest.mark.parametrize("model_type", _architectures())
 def test_report_counts_the_routers_own_selection(model_type, monkeypatch):
     """On a tiny model of every supported architecture, the experts the report counts for every
@@ -566,6 +570,7 @@ def test_selected_duplicate_message():
         acc.update(np.array([1]), np.full((1, 1, 4), 0.25), text_index=0, selected=np.array([[[2, 2]]]))
 
 
+@pytest.mark.slow
 def test_layer_agreement_baseline_with_unequal_margins():
     """Layer 0 first choices e0 e0 e0 e1, layer 1 e0 e1 e1 e1. Pairing them at random, the single
     e0 of layer 1 meets an e0 of layer 0 with probability 3/4 (table [[1, 2], [0, 1]], best

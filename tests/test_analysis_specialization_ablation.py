@@ -170,6 +170,7 @@ def _argv(model_dir, corpus, out, *extra):
     return ["report", "--model", str(model_dir), "--corpus", str(corpus), "--out", str(out), *FAST, *extra]
 
 
+@pytest.mark.slow
 def test_report_cli_with_and_without_ablation(model_dir, corpus, tmp_path, capsys):
     folder = tmp_path / "abl"
     _write(folder / "importance.json", importance(str(model_dir)))

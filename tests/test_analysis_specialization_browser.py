@@ -95,6 +95,7 @@ def _every_figure_rendered(page) -> None:
     assert all(width > 0 and opaque == 1.0 for width, opaque in state), state
 
 
+@pytest.mark.slow
 def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path):
     """The two-model page (each section twice, two token views) of hand-made reports whose corpus
     holds markup: the first view in detail, the second independent of it. One page, to keep the
@@ -155,6 +156,7 @@ def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path)
     assert problems == []
 
 
+@pytest.mark.slow
 def test_the_page_written_for_a_real_model_works(browser, tmp_path, tiny_embedder):
     """The page ``write_report`` writes for the tiny OLMoE: no script error, every figure drawn,
     and hovering a token shows the selected experts report.json holds for it."""

@@ -69,6 +69,7 @@ def _inner(page: str, section: str) -> str:
     return page.split(f"<section id='{section}'>", 1)[1].split("</section>", 1)[0]
 
 
+@pytest.mark.slow
 def test_the_sections_render_from_real_ablate_outputs(tiny_model_dir, donor, corpus, results, tmp_path):
     out = tmp_path / "rep"
     steer = [str(results["boost"]), str(results["suppress"] / "steering.json")]
@@ -93,6 +94,7 @@ def test_the_sections_render_from_real_ablate_outputs(tiny_model_dir, donor, cor
     assert saved["ablation"]["available"] is False  # not given: still there, saying so
 
 
+@pytest.mark.slow
 def test_without_them_the_sections_say_how_to_get_them(tiny_model_dir, corpus, tmp_path):
     out = tmp_path / "plain"
     assert _report(tiny_model_dir, corpus, out) == 0

@@ -65,6 +65,7 @@ def _figures(monkeypatch, report):
     return figures
 
 
+@pytest.mark.slow
 def test_no_title_of_a_figure_overlaps_another_axes(monkeypatch):
     """Every figure of a page of 8 layers (grids of several rows): no axes' title overlaps another
     axes' box (its tick labels and labels included), as the rows of per-layer grids did when laid
@@ -89,6 +90,7 @@ def test_no_title_of_a_figure_overlaps_another_axes(monkeypatch):
                     assert min(width, height) <= 0, f"the title {title!r} overlaps another axes"
 
 
+@pytest.mark.slow
 def test_the_page_reports_each_stage_on_stderr(capsys):
     report = make_report()
     render_html(report, progress=True)
@@ -98,6 +100,7 @@ def test_the_page_reports_each_stage_on_stderr(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_statistics_and_writing_report_progress(tmp_path, capsys):
     from moee.analysis.specialization import write_report
 
@@ -111,6 +114,7 @@ def test_statistics_and_writing_report_progress(tmp_path, capsys):
     assert "statistics" in err and "vocabulary" in err
 
 
+@pytest.mark.slow
 def test_a_saturation_series_of_another_tokenizer_is_marked(tmp_path):
     """Checkpoints whose tokenizer differs from the model's: the section records it and the page
     says it; the same tokenizer gives no such note."""

@@ -349,6 +349,7 @@ def test_token_view_payload_rounds_caps_and_checks(report):
     assert token_view_payload({**report, "token_view": {"texts": []}}) is None
 
 
+@pytest.mark.slow
 def test_a_report_without_token_view_has_no_script(report):
     rep = {k: v for k, v in report.items() if k != "token_view"}
     page = render_html(rep)
@@ -382,6 +383,7 @@ def compare_report(a: dict, b: dict, labels=("<first>", "second")) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_compare_page_has_both_reports_in_columns_with_unique_ids():
     a, b = make_report(seed=0, model="model-a"), make_report(n_texts=4, seed=1, model="model-b")
     page = render_html(compare_report(a, b))

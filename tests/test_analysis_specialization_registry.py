@@ -97,6 +97,7 @@ def _page_ids(page: str) -> tuple[list[str], list[str]]:
     return re.findall(r"<section id='([^']+)'>", page), re.findall(r"<li><a href='#([^']+)'>", page)
 
 
+@pytest.mark.slow
 def test_json_and_page_carry_the_same_ids_in_registry_order(tmp_path):
     rep = _report(_accumulator())
     paths = write_report(rep, tmp_path)
@@ -116,6 +117,7 @@ def test_a_report_without_a_registered_section_is_refused(tmp_path):
         write_report(rep, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_section_the_report_lacks_is_left_off_the_page():
     rep = _report(_accumulator())
     del rep["layer_agreement"]
@@ -178,6 +180,7 @@ POSITIONS = Section(
 )
 
 
+@pytest.mark.slow
 def test_a_new_section_is_one_registry_entry_and_reaches_the_json_and_the_page(monkeypatch, tmp_path):
     before = _report(_accumulator())
     bytes_before = _accumulator().state_bytes()

@@ -254,6 +254,7 @@ def test_routing_overlap_of_a_model_with_itself_is_one_and_another_seed_is_lower
     assert 0 < same["topk_permutation"][0] < 1
 
 
+@pytest.mark.slow
 def test_report_cli_with_checkpoints_and_compare(tmp_path, tiny):
     from moee.capture.tiny import tiny_model
     from moee.cli import main
@@ -345,6 +346,7 @@ def test_streaming_state_does_not_grow_with_the_corpus():
     assert small["state_bytes"] == held
 
 
+@pytest.mark.slow
 def test_report_sizes_its_tables_by_the_vocabulary_and_shows_a_cap(tiny):
     """build_report sizes the token tables to the model's vocabulary (whole, exact); with a cap the
     page says how many tokens went uncounted."""

@@ -59,6 +59,7 @@ def test_length_mix_is_real_mixed_length_text_in_a_fixed_order():
     assert words.min() < 10 and words.max() > 100  # glosses and articles both present
 
 
+@pytest.mark.slow
 def test_seeds_loop_and_our_layer_equal_the_transformers_block():
     from bench_moe_layer import MatmulFloor, SeedsLoopMoE, _Flat, _output, fwd_bwd, make_hf_block, make_ours
 

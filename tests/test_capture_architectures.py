@@ -32,6 +32,7 @@ def test_at_least_thirty_architectures():
     assert {"olmoe", "qwen2_moe", "mixtral", "deepseek_v3", "granitemoe", "phimoe", "moee_lm"} <= set(ARCHS)
 
 
+@pytest.mark.all_architectures
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_capture_matches_model_router_outputs(model_type):
     result = check_architecture(model_type)
@@ -71,6 +72,7 @@ def _declaring_model_types() -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_registry_covers_every_declaring_architecture():
     """A new transformers MoE architecture must be added to the registry (or refused with a reason)."""
     wrappers = {"gemma4", "llama4", "qwen3_5_moe", "qwen4_exp", "dots3_note"}  # tested via their *_text model

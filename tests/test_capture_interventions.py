@@ -211,6 +211,7 @@ def test_bad_requests_are_refused(tiny_olmoe) -> None:
         pass
 
 
+@pytest.mark.all_architectures
 @pytest.mark.parametrize("model_type", supported_architectures())
 def test_force_and_reselect_act_on_every_supported_architecture(model_type) -> None:
     """The logit edit reaches the router's own selection in every architecture capture supports."""

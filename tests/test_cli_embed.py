@@ -282,6 +282,7 @@ def test_merge_refuses_to_overwrite(tmp_path, corpus, tiny_model_dir, capsys):
     np.testing.assert_array_equal(np.load(target), np.load(out_dir / "embeddings.npy"))
 
 
+@pytest.mark.slow
 def test_truncated_texts_of_every_chunk_are_counted_in_the_sidecar(tmp_path, tiny_model_dir, capsys):
     long = " ".join(["cat"] * 600)  # longer than the tiny model's 512 positions
     corpus = tmp_path / "long.txt"

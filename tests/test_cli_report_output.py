@@ -50,6 +50,7 @@ def _argv(model_dir, corpus, out, *extra):
     return ["report", "--model", str(model_dir), "--corpus", str(corpus), "--out", str(out), *FAST, *extra]
 
 
+@pytest.mark.slow
 def test_an_existing_report_is_refused_without_overwrite_and_replaced_with_it(
     model_dir, corpus, tmp_path, capsys
 ):
@@ -71,6 +72,7 @@ def test_an_existing_report_is_refused_without_overwrite_and_replaced_with_it(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
 
 
+@pytest.mark.slow
 def test_a_kill_while_writing_never_pairs_a_new_json_with_the_old_html(
     model_dir, corpus, tmp_path, monkeypatch
 ):
@@ -174,6 +176,7 @@ def test_a_bad_corpus_row_is_an_error_before_routing(model_dir, tmp_path, capsys
     assert ":2: no field 'text'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_meta_command_records_the_checkpoints_as_a_shell_line(model_dir, corpus, tmp_path):
     second = tmp_path / "step 2"  # a space: the line must be shell-quoted
     tiny_model("olmoe", n_layers=2, seed=1).save_pretrained(second)

@@ -221,6 +221,7 @@ def test_no_eval_text_shares_a_long_span_with_the_training_corpus() -> None:
     assert [texts[i][:60] for i in sorted(hits)[:5]] == []
 
 
+@pytest.mark.slow
 def test_build_code_is_not_part_of_the_installed_package():
     """The builders live in ``moee_build`` (never imported by ``moee``, not packaged); the runtime
     ``moee.data`` only holds the committed files and their loader ``offline_tasks``."""

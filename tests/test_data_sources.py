@@ -265,6 +265,7 @@ def test_missing_package_is_a_clear_error(tmp_path: Path) -> None:
         DataPaths(debs_dir=tmp_path, root=tmp_path).find("usr/share/wordnet")
 
 
+@pytest.mark.slow
 def test_tokenizer_training_is_deterministic_and_configured(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

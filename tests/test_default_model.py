@@ -107,6 +107,7 @@ def _heldout_problems(model, tok, cache_dir) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_bundled_model_reproduces_its_document_load(bundled):
     """The per-layer max/mean load over the first held-out documents, each tokenized as a user's
     text and routed alone, equals the export's record (``heldout.documents.first``)."""
@@ -122,11 +123,13 @@ def test_bundled_model_reproduces_its_document_load(bundled):
     assert got == pytest.approx([layer["max_over_mean_load"] for layer in first["layers"]], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_bundled_model_reproduces_its_heldout_loss_and_load(bundled, tmp_path):
     model, tok = bundled
     assert _heldout_problems(model, tok, tmp_path) == []
 
 
+@pytest.mark.slow
 def test_bundled_model_keeps_its_shared_expert(bundled, tmp_path):
     """Every MoE layer has the always-on shared expert the card describes, with its weights; a model
     whose shared expert is zeroed no longer reproduces the held-out figures."""

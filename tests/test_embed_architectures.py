@@ -42,6 +42,7 @@ SOFTMAX_ROUTERS = [m for m in supported_architectures() if MODEL_TYPE_RULES[m] i
 OTHER_ROUTERS = [m for m in supported_architectures() if m not in SOFTMAX_ROUTERS]
 
 
+@pytest.mark.all_architectures
 @pytest.mark.parametrize("model_type", SOFTMAX_ROUTERS)
 def test_default_score_is_softmax_for_softmax_routers(model_type):
     """The paper's models (softmax routers) get exactly the paper's RW from the default score."""
@@ -51,6 +52,7 @@ def test_default_score_is_softmax_for_softmax_routers(model_type):
     np.testing.assert_array_equal(default.rw, emb.trace(TEXTS, score="softmax").rw)
 
 
+@pytest.mark.all_architectures
 @pytest.mark.parametrize("model_type", OTHER_ROUTERS)
 def test_default_score_is_the_architectures_own_rule(model_type):
     """For sigmoid, sqrt-softplus and sparsemixer routers the default RW is their own scores, not a softmax."""

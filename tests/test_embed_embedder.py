@@ -213,6 +213,7 @@ def test_bad_max_length(tiny_embedder):
         MoEEmbedder(tiny_embedder.model, None)
 
 
+@pytest.mark.slow
 def test_concurrent_encode_from_threads_equals_serial(tiny_embedder):
     """Threads share the model's routers: every traced forward holds the model's lock, so no thread
     sees another thread's hooks fire (wrong rows) and none raises "router ran twice"."""

@@ -81,6 +81,7 @@ def _tokenizers():
     }
 
 
+@pytest.mark.slow
 def test_cutting_matches_the_quadratic_search_exactly():
     """Same ids, cut counts and kept texts as the search that built every piece, for texts that fit
     and texts that are cut, on both sides, with and without the official text handling, with a
@@ -134,6 +135,7 @@ def test_every_recipe_cuts_a_long_text_in_memory_linear_in_its_length(bundled, r
     assert peak < 200 * len(text), f"{peak / 2**20:.0f} MiB traced for a {len(text):,}-character text"
 
 
+@pytest.mark.slow
 def test_a_million_character_text_embeds_under_a_gigabyte_in_about_the_tokenizer_time():
     """``encode`` of one 1,000,000-character text with the bundled model: peak memory (the whole
     process, the model included) under 1 GiB and the cut within a few tokenizer passes; the

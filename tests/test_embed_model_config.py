@@ -45,6 +45,7 @@ def test_resolution_is_explicit_then_model_then_library():
         resolve_config({"pooling": "mean"})
 
 
+@pytest.mark.slow
 def test_every_python_entry_point_resolves_against_the_model(own_embedder):
     emb = own_embedder
     assert emb.default_config == OWN
@@ -132,6 +133,7 @@ def bundled() -> MoEEmbedder:
     return MoEEmbedder.from_pretrained(device="cpu")
 
 
+@pytest.mark.slow
 def test_a_copy_of_the_bundled_folder_behaves_exactly_like_the_original(bundled, tmp_path):
     copy = tmp_path / "somewhere" / "my-model"
     shutil.copytree(DEFAULT_MODEL_DIR, copy)
@@ -146,6 +148,7 @@ def test_a_copy_of_the_bundled_folder_behaves_exactly_like_the_original(bundled,
     assert MoEEmbedder(other.model, other.tokenizer).model_config == other.model_config
 
 
+@pytest.mark.slow
 def test_save_pretrained_round_trips_the_bundled_model(bundled, tmp_path):
     out = bundled.save_pretrained(tmp_path / "saved")
     assert (out / MODEL_CONFIG_FILE).is_file() and list(out.glob("*.safetensors"))

@@ -40,6 +40,7 @@ def folder(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_save_to_model_makes_the_reference_the_models_default(folder):
     doc = json.loads((folder / MODEL_CONFIG_FILE).read_text())
     assert doc["config"]["reference"] == "reference.safetensors"
@@ -87,6 +88,7 @@ def test_a_layer_subset_uses_the_sliced_statistics(folder):
     np.testing.assert_allclose(sub, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_per_layer_weights_act_after_standardisation(folder):
     emb = MoEEmbedder.from_pretrained(str(folder), device="cpu")
     n_experts = emb.n_experts

@@ -216,6 +216,7 @@ def test_tokenize_prompts_counts_the_cut_and_rejects_a_template_too_long(tiny):
         tokenize_prompts(tiny.tokenizer, [BODY], None, 5, side="middle")
 
 
+@pytest.mark.slow
 def test_long_texts_under_prompteol_with_the_bundled_model():
     """The bundled model declares the 256-token context it was trained on, and a long real text cut
     to it under PromptEOL still ends with the template (real WordPiece offsets)."""

@@ -170,6 +170,7 @@ def test_token_prepending_refuses_a_model_without_decoder_layers():
 
 
 # ---------------------------------------------------------------------------- ensembles
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_ensemble_is_the_mean_of_the_single_prompt_embeddings(emb, method):
     prompts = ["prompteol", "meaning", "style"]
@@ -185,6 +186,7 @@ def test_ensemble_is_the_mean_of_the_single_prompt_embeddings(emb, method):
     )
 
 
+@pytest.mark.slow
 def test_stability_ensemble_is_the_nine_prompts(emb):
     config = EmbeddingConfig(prompt="stability")
     assert config.prompt_templates == tuple(STABILITY_PROMPTS.values()) and config.is_ensemble
@@ -237,6 +239,7 @@ def test_layer_options_parse_their_cli_forms():
 
 
 # ---------------------------------------------------------------------------- reference standardisation
+@pytest.mark.slow
 def test_reference_gives_a_text_alone_its_corpus_vector(emb, tmp_path):
     corpus = TEXTS * 2 + ["the red house", "a small blue bird sat on the tree"]
     path = emb.fit_reference(corpus, tmp_path / "ref", prompt="prompteol")
@@ -270,6 +273,7 @@ def test_reference_of_another_model_or_configuration_is_refused(emb, tmp_path):
         Reference.load(path)
 
 
+@pytest.mark.slow
 def test_reference_fitted_under_another_recipe_is_refused(emb, tmp_path):
     plain = emb.fit_reference(TEXTS, tmp_path / "plain", prompt="prompteol")
     echo = emb.fit_reference(TEXTS, tmp_path / "echo", prompt="prompteol", recipe="echo")
@@ -367,6 +371,7 @@ RECIPE_CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_every_recipe_is_batch_invariant(arch, tmp_path):
     emb = MoEEmbedder(ARCHITECTURES[arch](), tiny_tokenizer())
@@ -428,6 +433,7 @@ def test_paper_configuration_is_one_call():
     )
 
 
+@pytest.mark.slow
 def test_a_keyword_given_overrides_only_itself_over_the_models_configuration(monkeypatch, emb):
     monkeypatch.setattr(emb, "model_config", EmbeddingConfig(recipe="echo", method="hs"))
     np.testing.assert_allclose(
@@ -441,6 +447,7 @@ def test_a_keyword_given_overrides_only_itself_over_the_models_configuration(mon
 
 
 # ---------------------------------------------------------------------------- evaluation and CLI
+@pytest.mark.slow
 def test_mteb_encoder_runs_a_recipe_like_encode(emb):
     from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache
 
@@ -452,6 +459,7 @@ def test_mteb_encoder_runs_a_recipe_like_encode(emb):
         MoEEMTEBEncoder(emb, config=config, trace_cache=TraceCache(emb, config=config.replace(recipe=None)))
 
 
+@pytest.mark.slow
 def test_cli_fit_reference_then_embed_with_recipes(tmp_path, tiny_model_dir):
     from moee.cli import main
     from moee.io import read_metadata

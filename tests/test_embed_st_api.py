@@ -43,6 +43,7 @@ def test_normalize_embeddings_and_tensors(emb) -> None:
         emb.encode(TEXTS, device="cuda")
 
 
+@pytest.mark.slow
 def test_prompt_name_and_query_document_prompts(emb) -> None:
     np.testing.assert_array_equal(
         emb.encode(TEXTS, prompt_name="query"), emb.encode(TEXTS, prompt="query: {text}")
@@ -95,6 +96,7 @@ def test_bad_prompts_are_refused(emb, tmp_path) -> None:
     assert load_model_prompts(tmp_path) == {}
 
 
+@pytest.mark.slow
 def test_get_model_is_the_mteb_encoder_of_a_configuration(tiny_embedder) -> None:
     from moee.evaluation import get_model
 

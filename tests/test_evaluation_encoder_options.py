@@ -20,6 +20,7 @@ PROMPTS = {"query": "query: {text}", "document": "This sentence: {text} means in
 TASK = SimpleNamespace(name="SomeRetrieval")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "keywords",
     [{"recipe": "echo"}, {"hs_layer": 2}, {"rw_layers": [0, 1]}, {"reference": None}, {"normalize": True}],

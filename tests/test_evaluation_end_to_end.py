@@ -64,6 +64,7 @@ def embedder(tokenizer):
 TEXTS = ["The cat sat on the mat.", "Stocks fell sharply today", "", 'He said "no" twice.', "The cat sat."]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe"])
 def test_mteb_meta_is_zero_shot_and_counts_the_active_parameters(arch):
     """Training-free: zero-shot on every task (an empty training set, not the unknown ``None``); an
@@ -152,6 +153,7 @@ def test_bad_configuration_is_rejected(embedder):
         enc.embed_texts(["a"], task_name="lee_sts")
 
 
+@pytest.mark.slow
 def test_offline_sts_task_end_to_end(embedder, tmp_path):
     """lee_sts through mteb.evaluate; the cached score equals the similarity sum's Spearman."""
     (task,) = offline_tasks(["lee_sts"])
@@ -174,6 +176,7 @@ def test_offline_sts_task_end_to_end(embedder, tmp_path):
     assert enc.trace_cache.forward_texts == 50  # 1,225 pairs of 50 documents: 50 forward passes
 
 
+@pytest.mark.slow
 def test_offline_classification_task_end_to_end(embedder, tmp_path):
     (task,) = offline_tasks(["fortunes_classification"])
     enc = MoEEMTEBEncoder(embedder, method="moee_concat", prompt="prompteol")
@@ -185,6 +188,7 @@ def test_offline_classification_task_end_to_end(embedder, tmp_path):
     assert len(scores["scores_per_experiment"]) == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["rw", "moee_sum"])
 def test_offline_pair_task_scores_the_similarity_the_method_defines(embedder, tmp_path, method):
     """The pair task's score is the AP of the cosine (for MoEE sum: the similarity sum), never the
@@ -217,6 +221,7 @@ def test_offline_pair_task_scores_the_similarity_the_method_defines(embedder, tm
     assert task.metadata.main_score == "similarity_ap"
 
 
+@pytest.mark.slow
 def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
     settings = EvalSettings(
         methods=("hs", "moee_sum"),

@@ -48,6 +48,7 @@ def _evaluate_scores(out: Path, flags: list[str]) -> dict[str, tuple[float, dict
     ]
 
 
+@pytest.mark.slow
 def test_evaluate_and_embed_agree_without_flags(lee, tmp_path):
     scores, run = _evaluate_scores(tmp_path / "eval", [])
     assert set(scores) == {"hs", "rw", "moee_concat", "moee_sum"}
@@ -64,6 +65,7 @@ def test_evaluate_and_embed_agree_without_flags(lee, tmp_path):
     assert scores["hs"][0] == pytest.approx(hs["tasks"]["lee_sts"], abs=0.01)
 
 
+@pytest.mark.slow
 def test_evaluate_and_embed_agree_with_the_same_flags(lee, tmp_path):
     flags = ["--pooling", "last", "--score", "softmax"]
     scores, run = _evaluate_scores(tmp_path / "eval", [*flags, "--methods", "hs", "--prompts", "prompteol"])

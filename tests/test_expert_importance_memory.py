@@ -52,6 +52,7 @@ print(16 * 128 * 32000 * 2, status("VmHWM") - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_bfloat16_losses_need_little_beyond_the_models_own_logits():
     run = subprocess.run(

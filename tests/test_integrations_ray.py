@@ -71,6 +71,7 @@ def _by_id(table, column):
     return dict(zip(table.column("id").to_pylist(), vectors))
 
 
+@pytest.mark.slow
 def test_two_actors_equal_single_process_encode(cluster, corpus, tiny_model_dir):
     texts, ids, single = corpus
     ds = ray.data.from_items([{"id": i, "text": t, "lang": "en"} for i, t in zip(ids, texts)])
@@ -95,6 +96,7 @@ def test_two_actors_equal_single_process_encode(cluster, corpus, tiny_model_dir)
         assert worst <= 1e-6, (column, worst)
 
 
+@pytest.mark.slow
 def test_a_killed_actor_loses_and_duplicates_no_row(cluster, corpus, tiny_model_dir, tmp_path):
     texts, ids, single = corpus
     marker = tmp_path / "crashed"
@@ -154,6 +156,7 @@ def _write_inputs(folder, texts, ids):
     pq.write_table(table, folder / "c.parquet", row_group_size=40)
 
 
+@pytest.mark.slow
 def test_cli_engine_ray_writes_parquet_in_input_order_and_search_reads_it(
     cluster, corpus, tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
@@ -197,6 +200,7 @@ def test_cli_engine_ray_writes_parquet_in_input_order_and_search_reads_it(
     np.testing.assert_allclose(read_embeddings(out)[0], single["moee_concat"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cli_engine_ray_names_a_bad_row(cluster, tiny_model_dir, tmp_path, capsys):
     folder = tmp_path / "in"
     folder.mkdir()
@@ -263,6 +267,7 @@ def test_input_schema_fixes_one_type_per_column_before_ray_starts(tmp_path):
         _read_parts({**batch, "first_row": [-1], "row": [0]}, "text", "id", schema)
 
 
+@pytest.mark.slow
 def test_cli_engine_ray_names_an_empty_input_not_its_staging_folder(
     cluster, tiny_model_dir, tmp_path, capsys
 ):

@@ -60,6 +60,7 @@ def _split_map(embed_on: str) -> dict[str, str]:
     return device_map
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("embed_on", ["cpu", "disk"])
 def test_capture_with_layers_on_cpu_and_disk_offload(saved_model, tmp_path, embed_on):
     path, expected = saved_model
@@ -179,6 +180,7 @@ def _pickle_only_copy(saved: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_pickle_weights_are_refused_unless_allowed(saved_model, tmp_path, capsys):
     from moee.cli import main
 

@@ -75,6 +75,7 @@ def test_search_takes_dtype_and_4bit_from_the_sidecar_unless_given(tmp_path, mon
     assert seen == [LoadOptions(dtype="float16", load_in_4bit=True)]
 
 
+@pytest.mark.slow
 def test_options_reach_load_causal_lm_like_the_keywords(monkeypatch, tmp_path):
     import moee.loading
 
@@ -132,6 +133,7 @@ def test_a_missing_local_model_path_is_named_before_transformers_misreads_it(tmp
     check_model_source("name")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed (moee[quant])"
 )

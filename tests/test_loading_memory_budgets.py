@@ -114,6 +114,7 @@ def four_layer_dir(tmp_path_factory):
     return path, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_a_cpu_budget_offloads_layers_to_disk_and_the_vectors_stay_the_same(four_layer_dir, tmp_path):
     path, size = four_layer_dir
     corpus = tmp_path / "t.txt"

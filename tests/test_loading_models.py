@@ -50,6 +50,7 @@ def _python(code: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_import_moee_registers_every_model_type_with_the_auto_classes(model_dirs):
     paths = {k: str(v) for k, v in model_dirs.items()}
     check = (
@@ -165,6 +166,7 @@ def test_init_from_a_training_checkpoint_continues_it(corpus, run, tmp_path):  #
 # ------------------------------------------------------------------ moee report --checkpoints
 
 
+@pytest.mark.slow
 def test_report_checkpoints_of_a_deepseek_v1_model(tmp_path):
     ckpts = []
     for seed in (0, 1):

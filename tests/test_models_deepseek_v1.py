@@ -235,6 +235,7 @@ def test_moe_block_computes_the_original_formula(tmp_path, norm):
     assert torch.allclose(sums, torch.ones_like(sums)) == norm
 
 
+@pytest.mark.slow
 def test_rw_is_the_softmax_of_the_gate_logits_at_the_last_token(embedder):
     texts = ["the cat sat on the mat", "dog", "a big red house under the tree"]
     trace = embedder.trace(texts, batch_size=3)

@@ -92,6 +92,7 @@ def test_moe_modules_import_each_other_without_a_loop():
     assert "moee.moe.switch" not in graph["moee.moe.gates"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["moee.moe.gates", "moee.moe.switch", "moee.moe.gate_registry"])
 def test_each_gate_module_imports_alone(module):
     code = f"import {module}, sys; assert 'transformers' not in sys.modules"

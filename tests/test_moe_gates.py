@@ -341,6 +341,7 @@ def test_batchwise_gate_training_balance_and_weights():
     assert torch.isfinite(out.aux["threshold_loss"])
 
 
+@pytest.mark.slow
 def test_batchwise_threshold_loss_gradient_and_training():
     torch.manual_seed(1)
     gate = BatchwiseBalancedGate(8, 4, 1).train()

@@ -130,6 +130,7 @@ def test_save_load_round_trip_with_auto_classes_offline(tiny_model, tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+@pytest.mark.slow
 def test_generate_with_cache_matches_full_forward(tiny_model):
     ids = torch.randint(2, 64, (1, 4))
     gen = tiny_model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)

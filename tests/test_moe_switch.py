@@ -113,6 +113,7 @@ def test_einsum_dispatch_equals_token_loop_outputs_and_gradients(capacity_factor
         assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_router_trains_through_unrenormalised_top1_gate():
     ffn = _ffn(3.0)
     x = torch.randn(T, D)

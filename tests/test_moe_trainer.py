@@ -82,6 +82,7 @@ def _train_losses(log: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_loss_curve_exactly(corpus, tmp_path):
     full = train(tiny_cfg(corpus, tmp_path / "full"), progress=False)
     assert full.step == 6
@@ -349,6 +350,7 @@ def test_document_load_counts_each_document_alone():
     assert not model.training
 
 
+@pytest.mark.slow
 def test_router_bias_calibration_on_documents_balances_them():
     from moee.moe.gates import LossFreeBalancedGate
     from moee.moe.trainer import DocumentSampler, calibrate_router_biases, document_load
@@ -470,6 +472,7 @@ def test_resume_refuses_config_changes_that_alter_the_result(corpus, tmp_path, s
         train(changed, resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_resume_compares_the_data_by_content_not_path(corpus, tmp_path):
     import shutil
 

@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 corpus = test_moe_trainer.corpus  # the tiny corpus fixture
 
 
+@pytest.mark.slow
 def test_missing_inputs_of_the_default_config_name_the_scripts_that_build_them(tmp_path, monkeypatch, capsys):
     """A clone without build/: every missing input is named, with its producer, before any loading."""
     from moee.cli import main

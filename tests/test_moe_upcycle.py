@@ -97,6 +97,7 @@ ALL_FAMILIES = sorted(FAMILIES)
 # ------------------------------------------------------------------ equivalence guarantees
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("shared_neurons", [0, 8])
 def test_split_with_all_experts_reproduces_dense(family, shared_neurons):
@@ -106,6 +107,7 @@ def test_split_with_all_experts_reproduces_dense(family, shared_neurons):
     assert max_diff(outputs(moe, IDS), ref) <= TOL
 
 
+@pytest.mark.slow
 def test_split_with_central_shared_neurons_and_mlp_biases_reproduces_dense():
     """Llama with ``mlp_bias=True`` (biases on gate, up and down) and the "central" shared selection."""
     dense = dense_model("llama", mlp_bias=True)
@@ -128,6 +130,7 @@ def test_shared_neuron_selections_differ():
     assert scores[norm].min() >= torch.sort(scores).values[-8]  # the 8 largest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize(("top_k", "shared_copy"), [(1, False), (2, False), (1, True)])
 def test_copy_with_any_routing_reproduces_dense(family, top_k, shared_copy):
@@ -139,6 +142,7 @@ def test_copy_with_any_routing_reproduces_dense(family, top_k, shared_copy):
     assert max_diff(outputs(moe, IDS), ref) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 def test_split_with_fewer_experts_is_sparse(family):
     """With top-k < E a split model computes only part of each FFN: the output must change
@@ -180,6 +184,7 @@ def test_balanced_kmeans_finds_separated_clusters_with_equal_sizes():
     assert torch.bincount(balanced_kmeans(skewed, 4)[0]).tolist() == [6] * 4
 
 
+@pytest.mark.slow
 def test_split_router_gets_a_gradient_through_unit_weights():
     moe = upcycle(dense_model("llama"), n_experts=4, top_k=2, mode="split").train()
     out = moe(input_ids=IDS).logits
@@ -191,6 +196,7 @@ def test_split_router_gets_a_gradient_through_unit_weights():
 # ------------------------------------------------------------------ save / load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_saved_model_round_trips_through_auto_classes(family, tmp_path):
     moe = upcycle(dense_model(family), n_experts=4, top_k=2, mode="split", shared_neurons=4)
@@ -206,6 +212,7 @@ def test_saved_model_round_trips_through_auto_classes(family, tmp_path):
     assert max_diff(outputs(loaded, IDS), before) == 0.0
 
 
+@pytest.mark.slow
 def test_copy_upcycle_round_trips_and_keeps_tied_embeddings(tmp_path):
     moe = upcycle(dense_model("gpt2"), n_experts=2, top_k=1, mode="copy", shared_copy=True)
     save_upcycled(moe, tmp_path)
@@ -214,6 +221,7 @@ def test_copy_upcycle_round_trips_and_keeps_tied_embeddings(tmp_path):
     assert max_diff(outputs(loaded, IDS), outputs(moe, IDS)) == 0.0
 
 
+@pytest.mark.slow
 def test_upcycle_from_a_saved_dense_directory(tmp_path):
     dense = dense_model("qwen2")
     dense.save_pretrained(tmp_path / "dense")
@@ -225,6 +233,7 @@ def test_upcycle_from_a_saved_dense_directory(tmp_path):
 # ------------------------------------------------------------------ capture and embeddings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "bert"])
 def test_capture_finds_one_router_per_layer_and_encodes(family, tmp_path):
     from moee import MoEEmbedder
@@ -294,12 +303,14 @@ def test_config_defaults_describe_a_model():
         MoEEUpcycledConfig(text_config=GPTNeoXConfig())
 
 
+@pytest.mark.slow
 def test_encoder_upcycle_is_not_a_causal_lm(tmp_path):
     save_upcycled(upcycle(dense_model("bert"), n_experts=2, top_k=1), tmp_path)
     with pytest.raises(ValueError, match="bert is an encoder, not a causal LM: load it with AutoModel"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_upcycle_writes_a_loadable_model(tmp_path, capsys):
     from moee.cli import main
 
@@ -344,6 +355,7 @@ def test_cli_upcycle_writes_a_loadable_model(tmp_path, capsys):
     assert AutoConfig.from_pretrained(tmp_path / "moe").upcycle_mode == "copy"
 
 
+@pytest.mark.slow
 def test_upcycled_decoder_generates_like_the_dense_model():
     dense = dense_model("llama")
     moe = upcycle(dense_model("llama"), n_experts=4, top_k=4, mode="split")

@@ -36,6 +36,7 @@ def hidden(model, ids=IDS):
         return model.base_model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
 
 
+@pytest.mark.slow
 def test_causal_encoder_is_a_causal_lm_whose_prefix_ignores_later_tokens(tmp_path):
     src = bert_dir(tmp_path)
     moe = upcycle(src, n_experts=4, top_k=4, causal=True)
@@ -59,6 +60,7 @@ def test_causal_encoder_is_a_causal_lm_whose_prefix_ignores_later_tokens(tmp_pat
     assert float((hidden(loaded) - a).abs().max()) == 0.0
 
 
+@pytest.mark.slow
 def test_without_causal_an_encoder_attends_both_ways(tmp_path):
     moe = upcycle(bert_dir(tmp_path), n_experts=4, top_k=4)
     changed = IDS.clone()
@@ -86,6 +88,7 @@ def test_layer_order_copies_layers_and_reindexes_them(tmp_path):
         reorder_layers(dense, [0, 4])
 
 
+@pytest.mark.slow
 def test_depth_upscaled_causal_model_runs_with_cache_and_counts_layers(tmp_path):
     moe = upcycle(bert_dir(tmp_path), n_experts=4, top_k=2, causal=True, layer_order=[0, 1, 2, 1, 2])
     assert len(moe.moe_ffns()) == 5
@@ -95,6 +98,7 @@ def test_depth_upscaled_causal_model_runs_with_cache_and_counts_layers(tmp_path)
     assert step.logits.shape == (2, 1, VOCAB)
 
 
+@pytest.mark.slow
 def test_loss_free_router_selects_with_a_bias_and_training_balances(tmp_path):
     moe = upcycle(bert_dir(tmp_path), n_experts=4, top_k=1, causal=True, router_type="loss_free")
     gates = [f.router.gate for f in moe.moe_ffns()]
@@ -121,6 +125,7 @@ def test_upcycled_config_rejects_an_unknown_router(tmp_path):
         upcycle(bert_dir(tmp_path), n_experts=4, top_k=1, router_type="switchy")
 
 
+@pytest.mark.slow
 def test_cli_causal_depth_loss_free_and_trimmed_vocabulary(tmp_path, capsys):
     import json
 

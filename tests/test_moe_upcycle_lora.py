@@ -152,6 +152,7 @@ def test_lora_refusals_name_the_argument():
         )
 
 
+@pytest.mark.slow
 def test_the_lora_router_starts_from_the_neuron_cluster_centroids_and_is_balanced():
     model = lora(balance=False)
     assert model.config.router_init == "centroid"
@@ -264,8 +265,8 @@ def test_assembly_never_replaces_a_folder_it_did_not_build_and_writes_normal_mod
 
 
 def test_a_float16_delta_is_half_the_bytes_and_assembles_to_its_rounded_model(base_and_delta, tmp_path):
-    from moee.moe.delta import DELTA_FILE, assemble, build_from_delta, save_delta
     from moee.models.smollm2 import file_sha256
+    from moee.moe.delta import DELTA_FILE, assemble, build_from_delta, save_delta
 
     base, delta32, model = base_and_delta
     half = save_delta(

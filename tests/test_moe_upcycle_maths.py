@@ -279,6 +279,7 @@ def _rows(model):
     return [ffn.router.gate.w_gate.weight.detach().double() for ffn in model.moe_ffns()]
 
 
+@pytest.mark.slow
 def test_balanced_rows_are_the_mean_removed_rows_plus_offsets_along_the_mean_input(monkeypatch):
     """Without offset rounds every router row is orthogonal to its layer's mean FFN input on the
     balanced rows of the sample; with them each row differs from that only along the mean input,
@@ -302,6 +303,7 @@ def test_balanced_rows_are_the_mean_removed_rows_plus_offsets_along_the_mean_inp
     assert settled.router_load_report == up.router_load_report(settled, SAMPLE[24:])
 
 
+@pytest.mark.slow
 def test_settled_offsets_keep_the_most_even_round(monkeypatch):
     """One round: the even-est of one is the start, so the rows stay the mean-removed ones."""
     model = _moe(balance_router=False)
@@ -371,6 +373,7 @@ def test_one_settling_round_by_hand_and_the_strictly_better_round_kept(monkeypat
     assert torch.equal(up._settle_offsets(ffn, stay, w, along), w)
 
 
+@pytest.mark.slow
 def test_settling_revives_a_dead_last_expert():
     ffn, x, w, along = _layer0()
     spread = float(((x - x.mean(0)) @ w.T).std())
@@ -455,6 +458,7 @@ def test_balance_routers_refuses_router_rows_for_another_number_of_layers():
         up.balance_routers(model, rows[:-1], SAMPLE, torch.ones_like(SAMPLE))
 
 
+@pytest.mark.slow
 def test_mean_removal_of_inputs_whose_mean_is_short(monkeypatch):
     """A BERT with its LayerNorms scaled down, so that every layer's mean FFN input has squared norm
     below 1: the projection divides by |m|^2 itself (a floor of 1 would leave part of the component)."""

@@ -49,6 +49,7 @@ def test_a_file_as_out_is_refused_even_with_overwrite(dense_dir, tmp_path, capsy
     assert target.read_bytes() == b"not a folder"
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_whole_folder_without_a_stale_tokenizer(dense_dir, tmp_path, capsys):
     """The previous model's files go, its tokenizer included; a user's own files stay."""
     out = tmp_path / "moe"
@@ -119,6 +120,7 @@ def test_a_layer_order_beyond_the_layers_is_refused_before_the_weights_load(dens
         upcycle(dense_dir, n_experts=2, top_k=1, layer_order=[0, 1, 2])
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
     model = upcycle(dense_model("llama"), n_experts=2, top_k=1)
     tokenizer = tiny_tokenizer()
@@ -170,6 +172,7 @@ def test_weights_are_written_with_the_umask_modes(tmp_path):
         assert stat.S_IMODE((tmp_path / "moe" / name).stat().st_mode) == 0o640, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_layer_order_on_qwen_writes_a_model_that_loads(family, tmp_path):
     dense = dense_model(

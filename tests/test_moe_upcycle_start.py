@@ -75,6 +75,7 @@ def cli(src, out, *extra: str) -> list[str]:
     return ["upcycle", str(src), "--out", str(out), "--experts", "4", "--top-k", "2", *extra]
 
 
+@pytest.mark.slow
 def test_cli_makes_a_roberta_without_a_tokenizer_a_causal_lm(tmp_path, capsys):
     assert main(cli(roberta_dir(tmp_path, False), tmp_path / "moe", "--causal")) == 0
     out = capsys.readouterr().out
@@ -84,6 +85,7 @@ def test_cli_makes_a_roberta_without_a_tokenizer_a_causal_lm(tmp_path, capsys):
     assert outputs(model, IDS).shape == (*IDS.shape, len(SPECIALS) + 256)
 
 
+@pytest.mark.slow
 def test_cli_makes_a_roberta_with_its_bpe_tokenizer_a_causal_lm_with_a_bos_only_template(tmp_path, capsys):
     assert main(cli(roberta_dir(tmp_path, True), tmp_path / "moe", "--causal")) == 0
     tok = AutoTokenizer.from_pretrained(tmp_path / "moe")
@@ -95,6 +97,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_one_seed_covers_every_random_draw_of_a_causal_upcycle(tmp_path, capsys):
     src = roberta_dir(tmp_path, False)
     torch.manual_seed(123)  # a different global state before each run must not matter
@@ -112,6 +115,7 @@ def test_one_seed_covers_every_random_draw_of_a_causal_upcycle(tmp_path, capsys)
     assert head and not torch.equal(a[head[0]], c[head[0]])
 
 
+@pytest.mark.slow
 def test_upcycle_restores_the_callers_generator_state(tmp_path):
     src = roberta_dir(tmp_path, False)
     torch.manual_seed(7)
@@ -155,6 +159,7 @@ def _worst(model, ids):
     return max(r["max_over_mean"] for r in router_load_report(model, ids))
 
 
+@pytest.mark.slow
 def test_settled_offsets_balance_the_sample_far_better_than_removing_the_mean_alone(monkeypatch):
     """8 experts top-1 on a BERT with a strong shared input component: removing the mean alone
     leaves the load uneven (max/mean 1.58 on the rows balanced on); the settled offsets bring every
@@ -172,6 +177,7 @@ def test_settled_offsets_balance_the_sample_far_better_than_removing_the_mean_al
     assert _worst(settled, held) < _worst(mean_only, held)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "router_type, options", [("hierarchical", {"router_n_groups": 2, "router_k_primary": 1}), ("switch", {})]
 )
@@ -215,6 +221,7 @@ def test_router_load_report_counts_selection_fractions_and_dead_experts():
     assert router_load_report(model, SAMPLE, mask)[0]["load"] == report[0]["load"]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_per_layer_start_load_with_the_ceiling(tmp_path, capsys):
     src = tmp_path / "bert"
     skewed_bert().save_pretrained(src)
@@ -241,6 +248,7 @@ def test_expert_e_gets_neuron_group_e_and_router_row_e_its_centroid():
             assert torch.equal(layer.router.gate.w_gate.weight[e], centroids[e])
 
 
+@pytest.mark.slow
 def test_the_loss_free_bias_survives_save_and_reload(tmp_path):
     moe = upcycle(dense_model("llama"), n_experts=4, top_k=1, router_type="loss_free")
     bias = torch.tensor([2.0, -1.0, 0.5, -1.5])

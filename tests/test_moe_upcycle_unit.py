@@ -206,6 +206,7 @@ def test_a_loaded_model_without_a_layer_count_is_refused_by_its_family():
 
 
 # ----------------------------------------------------------------- defaults and the config written
+@pytest.mark.slow
 def test_the_defaults_split_with_centroid_routers_loss_free_and_seed_0():
     dense = dense_model("bert")
     plans = [up.split_neurons(ffn, 4, seed=0) for ffn in dense_ffns(dense)]
@@ -611,6 +612,7 @@ def test_a_folder_is_checked_before_its_weights_load(bert_dir, tmp_path):
 
 
 # ----------------------------------------------------------------- saving
+@pytest.mark.slow
 def test_save_writes_the_model_staged_and_replaces_a_non_empty_folder_only_when_told(tmp_path):
     moe = build(top_k=2)
     out = tmp_path / "moe"
@@ -644,6 +646,7 @@ def test_save_writes_the_given_tokenizer_else_the_one_of_tokenizer_from(tmp_path
     assert all(tok.get_vocab() == given.get_vocab() for tok in saved)
 
 
+@pytest.mark.slow
 def test_the_calibration_forward_covers_every_row_in_batches_with_the_attention_mask():
     """An unpadded token's FFN input does not depend on what the padding holds: the mask reaches
     the base model, each batch of 16 rows with its own mask rows (row r padded from column 6 + r % 6)."""

@@ -85,6 +85,7 @@ def _gate_classes(model) -> set[str]:
     return {type(m.gate).__name__ for m in model.modules() if isinstance(m, MoEERouter)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GATES))
 @pytest.mark.parametrize("build", [_upcycled, _lm], ids=["upcycled", "moee_lm"])
 def test_every_gate_trains_in_both_models_under_one_name(build, name):
@@ -103,11 +104,13 @@ def test_every_gate_trains_in_both_models_under_one_name(build, name):
     assert len(out.moe_aux) == 2
 
 
+@pytest.mark.slow
 def test_each_name_builds_the_same_gate_class_in_both_models():
     for name in GATES:
         assert _gate_classes(_upcycled(name)) == _gate_classes(_lm(name)), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GATES))
 def test_every_gate_round_trips_in_an_upcycled_model(name, tmp_path):
     model = _upcycled(name).eval()
@@ -119,6 +122,7 @@ def test_every_gate_round_trips_in_an_upcycled_model(name, tmp_path):
     assert torch.equal(outputs(loaded, IDS), outputs(model, IDS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["moee_lm", "moee_upcycled"])
 def test_a_loaded_loss_free_gate_starts_with_no_pending_load(kind, tmp_path, monkeypatch):
     """The pending load is not saved: the loader's placeholder for it must be zeroed, else the
@@ -157,11 +161,13 @@ def test_upcycled_router_starts_where_upcycle_puts_it():
         assert torch.equal(b.router.gate.weight, a.router.gate.w_gate.weight.t())
 
 
+@pytest.mark.slow
 def test_expert_choice_in_a_causal_upcycled_model_warns_of_the_leak():
     with pytest.warns(CausalLeakWarning, match="expert_choice"):
         upcycle(dense_model("llama"), n_experts=N_EXPERTS, top_k=2, router_type="expert_choice")
 
 
+@pytest.mark.slow
 def test_cli_router_choices_are_the_registry(tmp_path, capsys):
     from moee.cli import build_parser
     from moee.commands.upcycle import router_options
@@ -217,6 +223,7 @@ def test_cli_router_choices_are_the_registry(tmp_path, capsys):
     assert "unknown router option(s) router_bogus" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_old_router_type_name_loads_and_computes_as_before(tmp_path):
     model = _upcycled("noisy_top_k", router_noisy=False, router_w_importance=0.0, router_w_load=0.0).eval()
     save_upcycled(model, tmp_path / "moe")
@@ -242,6 +249,7 @@ def test_an_old_router_type_name_loads_and_computes_as_before(tmp_path):
 # ------------------------------------------------------------------ output_router_logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_upcycled_models_return_router_logits_like_transformers_moe_models(family):
     dense = dense_model(family)
@@ -265,6 +273,7 @@ def test_upcycled_models_return_router_logits_like_transformers_moe_models(famil
         assert len(model(input_ids=IDS).router_logits) == 2
 
 
+@pytest.mark.slow
 def test_an_upcycled_encoder_returns_router_logits_too():
     model = upcycle(dense_model("bert"), n_experts=N_EXPERTS, top_k=2, mode="copy").eval()
     assert type(model).__name__ == "MoEEUpcycledModel"

@@ -45,6 +45,7 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and glibc")
 def test_importing_moee_bounds_the_kernel_cache_of_bfloat16_matmuls():
     library_default = _growth("plain", {**_clean_env(), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"})

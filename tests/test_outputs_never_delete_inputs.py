@@ -208,6 +208,7 @@ def test_upcycle_into_its_source_or_around_it_is_refused_before_loading(
     assert _tree(dense_dir) == before and (texts / "calib.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_upcycle_overwrite_keeps_a_users_notes_and_sub_folder(dense_dir, tmp_path, capsys):
     out = tmp_path / "moe"
     assert main(_upcycle(dense_dir, out)) == 0
@@ -290,6 +291,7 @@ def test_report_into_its_model_or_around_its_corpus_is_refused_before_routing(mo
     assert _tree(model) == before and corpus.is_file()
 
 
+@pytest.mark.slow
 def test_report_overwrite_keeps_a_users_notes_and_sub_folder(model_copy, tmp_path):
     model, corpus = model_copy
     out = tmp_path / "rep"
@@ -367,6 +369,7 @@ def test_a_non_finite_steering_bias_is_refused_by_the_parser_naming_the_flag(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_ablate_into_its_model_is_refused_and_overwrite_replaces_any_kind_of_run_keeping_user_files(
     tiny_model_dir, ablate_corpus, tmp_path, capsys
 ):
@@ -498,6 +501,7 @@ def test_train_overwrite_never_deletes_its_start_or_data(tmp_path):
     assert (root / "train.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_evaluate_into_its_model_is_refused(tiny_model_dir, capsys):
     assert main(["evaluate", "--model", tiny_model_dir, "--out", tiny_model_dir, "--tasks", "mini"]) == 2
     assert f"--out {tiny_model_dir} is the input --model" in capsys.readouterr().err

@@ -5,6 +5,8 @@ import json
 import shlex
 import sys
 
+import pytest
+
 from moee import io, provenance
 from moee.benchmarking import write_result
 
@@ -73,6 +75,7 @@ def test_a_result_records_the_reference_without_the_machines_folder(tmp_path, mo
     assert "reference" not in EmbeddingConfig().to_record()
 
 
+@pytest.mark.slow
 def test_a_fitted_reference_names_its_model_without_the_machines_folder(tmp_path, monkeypatch):
     from moee.capture.tiny import tiny_model, tiny_tokenizer
     from moee.embed.embedder import MoEEmbedder

@@ -40,6 +40,7 @@ def test_full_depth_has_the_published_parameter_count(rehearse, name):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_a_written_folder_loads_and_is_the_model_of_its_state(rehearse, name, tmp_path):
     from safetensors import safe_open
@@ -90,6 +91,7 @@ def test_reduced_depth_and_unknown_names_are_checked(rehearse):
         rehearse.build_config("olmoe-7b")
 
 
+@pytest.mark.slow
 def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
     folder = tmp_path / "tiny-olmoe"
     rehearse.write_checkpoint("olmoe-1b-7b", folder, tiny=True)
@@ -110,3 +112,25 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
     assert steps["serve"]["texts"] == 12 and steps["serve"]["vectors_finite"]
     assert steps["oracle"]["check"]["passed"] and steps["oracle"]["check"]["dtype"] == "torch.bfloat16"
     assert document["deleted"] and not folder.exists()
+
+
+def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
+    """BENCHMARKS.md section 13 comes from bench/results/rehearsal/*.json (no figure typed by hand)."""
+    scripts = str(SCRIPT.parent)
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from write_benchmarks_md import render
+
+    committed = SCRIPT.parent.parent / "bench" / "results" / "rehearsal" / "olmoe-1b-7b-L2.json"
+    result = json.loads(committed.read_text())
+    (tmp_path / "rehearsal").mkdir()
+    (tmp_path / "rehearsal" / committed.name).write_text(json.dumps(result))
+    text = render(tmp_path, tmp_path / "missing.json")
+    section = text.split("## 13. Real widths, reduced depth")[1].split("\n## ")[0]
+    embed = next(s for s in result["steps"] if s["step"] == "embed")
+    assert f"**{embed['peak_held_over_weights']:.2f}x**" in section
+    assert result["command"] in section and result["checkpoint"]["command"] in section
+    assert "Oracle check in bfloat16" in section and "Reading:" in section
+    assert "| 13 | real widths" in text
+    empty = render(tmp_path / "none", tmp_path / "missing.json")
+    assert "rehearse_real_size.py write olmoe-1b-7b" in empty.split("## 13.")[1]  # not run: its command

@@ -339,6 +339,7 @@ def test_a_second_embed_to_an_output_being_written_is_refused_at_once(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "e.npy", "e.npy.json"]
 
 
+@pytest.mark.slow
 def test_two_concurrent_embed_runs_to_one_output_never_mix_their_rows(tmp_path, corpus, tiny_model_dir):
     """Two processes started together on different inputs, one --out: each either writes a
     complete pair of its own rows or is refused; the pair left describes its own rows."""

@@ -87,6 +87,7 @@ def test_moee_routes_applies_the_models_saved_prompt_and_records_it(prompted_mod
     assert not (tmp_path / "e.parquet").exists()
 
 
+@pytest.mark.slow
 def test_moee_routes_memory_does_not_grow_with_the_corpus(tiny_embedder, tmp_path, monkeypatch):
     """`moee routes` held every row as Python objects (about 6.3 KB a token on the bundled model);
     it streams a batch of texts at a time into row groups, so the peak of traced memory (Python

@@ -209,6 +209,7 @@ def test_limits_on_inputs_and_tokens(embedder) -> None:
         np.testing.assert_allclose(_vectors(doc)[0], embedder.encode("the cat sat on"), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_429_and_a_disconnect_drops_queued_work(embedder) -> None:
     settings = ServerSettings(max_concurrent_requests=1, batch_wait_ms=1500)
     with serve_in_thread(create_app(embedder, settings)) as url:
@@ -281,6 +282,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_moee_serve_drains_in_flight_requests_on_sigterm(tiny_model_dir, embedder) -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}

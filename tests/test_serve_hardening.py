@@ -238,6 +238,7 @@ def _slow_routes(embedder, monkeypatch, seconds: float) -> list[int]:
     return routed
 
 
+@pytest.mark.slow
 def test_a_long_routing_request_does_not_hold_embeddings_up(embedder, monkeypatch) -> None:
     routed = _slow_routes(embedder, monkeypatch, 0.1)
     texts = _texts(40, seed=6)

@@ -189,7 +189,7 @@ def tiny(tmp_path_factory):
     from moee.capture.tiny import TINY_WORDS, tiny_model, tiny_tokenizer
     from moee.embed.embedder import MoEEmbedder
 
-    model_dir = tmp_path_factory.mktemp("tiny-olmoe")
+    model_dir = tmp_path_factory.mktemp("tiny-olmoe-shard")  # conftest's is tiny-olmoe0
     tiny_model("olmoe", n_layers=2).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     rng = np.random.default_rng(0)  # 21 rows (odd, so the shards differ in size), varied lengths, one empty
