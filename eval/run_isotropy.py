@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The cone figure of the README: mean pairwise cosine of unrelated texts, per method.
+"""The cone figure of docs/RESULTS.md: mean pairwise cosine of unrelated texts, per method.
 
 200 fortunes (a seeded sample of the offline suite's fortunes_classification test split, texts on
 ten unrelated topics) embedded by the bundled default model under its own configuration (the model
