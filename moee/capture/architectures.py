@@ -283,7 +283,17 @@ ARCHITECTURES: dict[str, Architecture] = {
 MODEL_TYPE_RULES: dict[str, str] = {name: arch.rule for name, arch in ARCHITECTURES.items()}
 
 #: Architectures that declare routers but are refused, with the reason.
+_NOT_YET_CHECKED = (
+    "added to transformers (5.25) after moee's last oracle check: its router's scoring rule is not yet "
+    "verified against the model's own output_router_logits, so moee refuses it rather than embed with "
+    "an unchecked rule"
+)
+
 UNSUPPORTED: dict[str, str] = {
+    "ergo": _NOT_YET_CHECKED,
+    "kolibri1_1": _NOT_YET_CHECKED,
+    "minicpm5_moe": _NOT_YET_CHECKED,
+    "param2moe": _NOT_YET_CHECKED,
     "doge": (
         "Doge's product-key router reshapes the logits of all tokens of the batch together, so a "
         "text's routing depends on the other texts in its batch; per-text embeddings are impossible"
