@@ -22,8 +22,9 @@ two copies) does not depend on the weights' values. Two steps:
 ``run DIR``
     runs moee on such a folder, every command in its own process with ``--dtype bfloat16``:
     ``embed`` (``--texts`` texts), ``evaluate --tasks lee_sts``, ``report`` on corpora of
-    ``--report-tokens`` tokens (memory must not grow with the corpus), ``routes``, ``ablate`` of a
-    few experts, ``serve`` queried with the ``openai`` client, and the oracle check
+    ``--report-tokens`` tokens (texts of 64-192 tokens: memory must not grow with the corpus),
+    ``routes``, ``ablate`` of a few experts, ``serve`` queried with the ``openai`` client, and the
+    oracle check
     (``moee.capture.oracle.check_model``: the hooks' routing distributions against the model's own
     ``output_router_logits``, in bfloat16, tolerance :data:`ORACLE_ATOL`). For each it records the
     load time and memory, and writes ``bench/results/rehearsal/<folder name>.json``. ``--delete``
@@ -416,6 +417,7 @@ def write_checkpoint(
     seed: int = 0,
     shard_bytes: int = 2 * 10**9,
     max_length: int = 512,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Write configuration ``name`` to the folder ``out`` (see the module docstring); returns the
     manifest it also writes there (:data:`MANIFEST`)."""
@@ -458,6 +460,7 @@ def write_checkpoint(
     current.close()
     weight_map = {e.name: files[e.shard] for entries in plan for e in entries}
     total = sum(e.nbytes for entries in plan for e in entries)
+    full = CONFIGS[name]["config"]["num_hidden_layers"]
     n_params = sum(p.numel() for p in model.parameters())
     index_doc = {"metadata": {"total_size": total, "total_parameters": n_params}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
@@ -470,17 +473,21 @@ def write_checkpoint(
         "hub_id": CONFIGS[name]["hub_id"],
         "model_type": config.model_type,
         "layers": config.num_hidden_layers,
-        "full_layers": CONFIGS[name]["config"]["num_hidden_layers"],
+        "full_layers": full,
         "tiny": tiny,
         "seed": seed,
         "dtype": "bfloat16",
         "parameters": n_params,
+        "full_parameters": sum(
+            p.numel() for p in meta_model(build_config(name, tiny=tiny, layers=full)).parameters()
+        ),
         "weight_bytes": total,
         "shards": n_shards,
         "shard_bytes": shard_bytes,
         "tokenizer": "moee/assets/default-model (the bundled model's)",
         "max_length": max_length,
         "write_s": round(time.perf_counter() - start, 1),
+        "command": command,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
@@ -686,18 +693,26 @@ def _env() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the steps
-def corpus_of_tokens(tokenizer: Any, tokens: int, max_length: int, seed: int = 0) -> list[str]:
-    """Texts of the length mix (``moee.benchmarking.length_mix_texts``) until they hold ``tokens``
-    tokens (each text counted up to ``max_length``, as the model reads it)."""
+#: Token counts of the report corpora's texts: one band, so every corpus size meets batches of the
+#: same shapes and the comparison of sizes measures what the report keeps, not a longer batch.
+REPORT_TEXT_TOKENS = (64, 192)
+
+
+def corpus_of_tokens(tokenizer: Any, tokens: int, seed: int = 0) -> list[str]:
+    """Texts of the length mix (``moee.benchmarking.length_mix_texts``) of
+    :data:`REPORT_TEXT_TOKENS` tokens each, until they hold ``tokens`` tokens."""
     from moee.benchmarking import length_mix_texts
 
-    texts, count, pool = [], 0, length_mix_texts(20_000, seed=seed)
-    for text in pool:
+    low, high = REPORT_TEXT_TOKENS
+    texts, count = [], 0
+    for text in length_mix_texts(20_000, seed=seed):
         if count >= tokens:
             return texts
-        texts.append(text.replace("\n", " "))
-        count += min(len(tokenizer(text, verbose=False)["input_ids"]), max_length)
-    raise ValueError(f"the length mix holds fewer than {tokens} tokens")
+        n = len(tokenizer(text, verbose=False)["input_ids"])
+        if low <= n <= high:
+            texts.append(text.replace("\n", " "))
+            count += n
+    raise ValueError(f"the length mix holds fewer than {tokens} tokens in texts of {low}-{high} tokens")
 
 
 def _write_lines(path: Path, texts: list[str]) -> Path:
@@ -833,7 +848,7 @@ def run_rehearsal(args: argparse.Namespace) -> dict[str, Any]:
     measure("evaluate", ["evaluate", *model, *batch, "--tasks", "lee_sts", "--methods", "moee_sum",
                          "--prompts", "none", "--out", str(work / "eval")])  # fmt: skip
     for tokens in args.report_tokens:
-        texts_n = corpus_of_tokens(tokenizer, tokens, manifest["max_length"], seed=2)
+        texts_n = corpus_of_tokens(tokenizer, tokens, seed=2)
         report_corpus = _write_lines(work / f"report-{tokens}.txt", texts_n)
         measure(f"report-{tokens}", ["report", *model, *batch, "--corpus", str(report_corpus),
                                      "--permutations", "2", "--out", str(work / f"report-{tokens}")])  # fmt: skip
@@ -917,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             shard_bytes=int(args.shard_size * 1e9),
             max_length=args.max_length,
+            command=shlex.join(["python", "scripts/rehearse_real_size.py", *argv]),
         )
         print(json.dumps(manifest, indent=2))
         return 0
