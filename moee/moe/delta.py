@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moee.provenance import file_sha256
+
 __all__ = [
     "DELTA_FILE",
     "MANIFEST_FILE",
@@ -61,12 +63,6 @@ def delta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in sorted(out.items())}
 
 
-def _sha256(path: Path) -> str:
-    from moee.models.smollm2 import file_sha256
-
-    return file_sha256(path)
-
-
 def save_delta(
     model: Any, folder: str | os.PathLike, base: dict[str, str], dtype: torch.dtype | None = None
 ) -> Path:
@@ -93,7 +89,7 @@ def save_delta(
     manifest = {
         "format": FORMAT,
         "base": dict(base),
-        "delta_sha256": _sha256(folder / DELTA_FILE),
+        "delta_sha256": file_sha256(folder / DELTA_FILE),
         "delta_dtype": str(dtype or next(iter(tensors.values())).dtype).replace("torch.", ""),
         "model_class": type(model).__name__,
     }
@@ -111,7 +107,7 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({exc})") from exc
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    found = _sha256(folder / DELTA_FILE)
+    found = file_sha256(folder / DELTA_FILE)
     if found != manifest.get("delta_sha256"):
         raise ValueError(
             f"{folder / DELTA_FILE} has sha256 {found}, but {MANIFEST_FILE} records "
@@ -123,7 +119,7 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 def _stamp_matches(out: Path, manifest: dict[str, Any]) -> bool:
     try:
         stamp = json.loads((out / _STAMP).read_text())
-        return stamp.get("delta_sha256") == manifest["delta_sha256"] and _sha256(
+        return stamp.get("delta_sha256") == manifest["delta_sha256"] and file_sha256(
             out / "model.safetensors"
         ) == stamp.get("model_sha256")
     except (OSError, ValueError, KeyError):
@@ -185,7 +181,7 @@ def assemble(
     bit-exact is an error, never a silently different model."""
     from transformers import AutoTokenizer
 
-    from moee.io import check_rebuildable, match_folder_modes, temporary_path
+    from moee.io import build_cache_folder, check_rebuildable
 
     folder, out = Path(folder), Path(out)
     manifest = _read_manifest(folder)
@@ -193,39 +189,27 @@ def assemble(
         return out
     check_rebuildable(out, _STAMP)
     recorded_base = manifest["base"].get("weights_sha256")
-    found_base = _sha256(Path(base) / "model.safetensors")
+    found_base = file_sha256(Path(base) / "model.safetensors")
     if recorded_base != found_base:
         raise ValueError(
             f"the delta in {folder} fits base weights {recorded_base}, but {base} has {found_base}: "
             f"rebuild the base ({manifest['base'].get('source')})"
         )
     model = build_from_delta(folder, base)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = temporary_path(out)
-    try:
+
+    def fill(staging: Path) -> dict[str, Any]:
         model.save_pretrained(staging)
         AutoTokenizer.from_pretrained(base).save_pretrained(staging)
         for item in folder.iterdir():
             if item.name not in (DELTA_FILE, MANIFEST_FILE, "config.json") and item.is_file():
                 shutil.copy2(item, staging / item.name)
-        model_sha = _sha256(staging / "model.safetensors")
+        model_sha = file_sha256(staging / "model.safetensors")
         want = manifest.get("model_sha256")
         if want is not None and want != model_sha:
             raise RuntimeError(
                 f"assembling {folder} on {base} gave weights {model_sha}, not the recorded {want}: "
                 "the build is not bit-exact on this machine (report it with your torch version)"
             )
-        stamp = {
-            "delta_sha256": manifest["delta_sha256"],
-            "model_sha256": model_sha,
-            "base": manifest["base"],
-        }
-        (staging / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        match_folder_modes(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return out
+        return {"delta_sha256": manifest["delta_sha256"], "model_sha256": model_sha, "base": manifest["base"]}
+
+    return build_cache_folder(out, _STAMP, fill)
