@@ -136,16 +136,20 @@ def test_every_recipe_cuts_a_long_text_in_memory_linear_in_its_length(bundled, r
 
 
 @pytest.mark.slow
-def test_a_million_character_text_embeds_under_a_gigabyte_in_about_the_tokenizer_time():
-    """``encode`` of one 1,000,000-character text with the bundled model: peak memory (the whole
-    process, the model included) under 1 GiB and the cut within a few tokenizer passes; the
-    quadratic cut needed tens of gigabytes here (the measuring process stops itself at 1 GiB)."""
+def test_a_million_character_text_embeds_within_half_a_gigabyte_of_the_loaded_model():
+    """``encode`` of one 1,000,000-character text with the bundled model: the process's peak
+    memory grows by under 512 MiB past the loaded model (the text, its ids and offsets) and the
+    cut takes a few tokenizer passes; the quadratic cut needed tens of gigabytes here. The peak is
+    the measuring process's own high-water mark (``VmHWM``), which a fork from this large test
+    process does not inflate, restarted after loading; it stops itself past 4 GiB."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from bench_long_texts import measure
 
-    got = measure(1_000_000, limit_bytes=1 << 30, timeout=120)
+    got = measure(1_000_000, limit_bytes=4 << 30, timeout=180)
     assert "over_limit_bytes" not in got, (
-        f"peak memory passed 1 GiB ({got['over_limit_bytes'] / 2**30:.2f} GiB)"
+        f"peak memory passed 4 GiB ({got['over_limit_bytes'] / 2**30:.2f} GiB)"
     )
-    assert got["returncode"] == 0 and got["peak_rss_bytes"] < 1 << 30 and got["last_truncation"] == 1
+    assert got["returncode"] == 0 and got["last_truncation"] == 1, got
+    growth = got["peak_rss_bytes"] - got["loaded_rss_bytes"]
+    assert growth < 512 << 20, f"the 1M-character text added {growth / 2**20:.0f} MiB past the loaded model"
     assert got["cut_s"] < 5 * got["tokenize_s"] + 1.0, got
