@@ -236,10 +236,11 @@ def explicit_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_config_of(model: str | Path | None) -> EmbeddingConfig | None:
-    """The saved configuration of ``--model`` (``None``: the bundled model), read without loading it."""
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    """The saved configuration of ``--model`` (``None``: the default model; a shipped model by its
+    name), read without loading or assembling it."""
+    from moee.models.bundled import config_dir
 
-    return load_model_config(model if model is not None else DEFAULT_MODEL_DIR)
+    return load_model_config(config_dir(model))
 
 
 def embedding_config(args: argparse.Namespace, **changes: Any) -> EmbeddingConfig:
@@ -253,9 +254,9 @@ def add_loading_arguments(parser: argparse.ArgumentParser, *, model: bool = True
     """The model-loading flags, one per ``LoadOptions`` field (read with :func:`load_options`);
     ``model=True`` also adds ``--model``."""
     if model:
-        parser.add_argument(
-            "--model", default=None, help="model name or local path (default: the bundled default model)"
-        )
+        from moee.models.bundled import DEFAULT_MODEL, MODEL_HELP
+
+        parser.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})")
     add_field_arguments(parser, LoadOptions, explicit=False)
 
 

@@ -574,8 +574,10 @@ def load_model(
     import torch
 
     from moee.models import register_models
+    from moee.models.bundled import resolve_model
 
     register_models()
+    name_or_path = resolve_model(name_or_path)  # a shipped model's name: its (assembled) folder
     options = options or LoadOptions()
     name, revision = split_revision(name_or_path)
     extra = {"revision": revision} if revision else {}

@@ -17,6 +17,7 @@ from typing import Any
 
 from moee.embed.config import EmbeddingConfig
 from moee.loading import LoadOptions
+from moee.models.bundled import DEFAULT_MODEL, MODEL_HELP
 
 __all__ = ["AblateSettings", "ReportSettings", "RoutesSettings", "flag_of"]
 
@@ -33,8 +34,8 @@ def _model() -> Any:
     return _field(
         default=None,
         metadata={
-            "help": "model name or local path",
-            "default_text": "the bundled default model",
+            "help": MODEL_HELP,
+            "default_text": DEFAULT_MODEL,
         },
     )
 

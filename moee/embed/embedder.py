@@ -75,6 +75,7 @@ from moee.embed.recipes import (
 from moee.embed.reference import weights_digest, weights_fingerprint
 from moee.embed.validation import check_positive_int, check_texts
 from moee.loading import DEFAULT_MODEL_DIR  # re-exported: the embedder's default model
+from moee.models.bundled import resolve_model
 
 if TYPE_CHECKING:
     from moee.loading import LoadOptions
@@ -289,14 +290,7 @@ class MoEEmbedder:
                 allow_pickle_weights=allow_pickle_weights,
                 tokenizer=tokenizer,
             )
-        if name_or_path is None:
-            if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"the bundled default model is not installed at {DEFAULT_MODEL_DIR}; "
-                    "pass a model name or a local path to MoEEmbedder.from_pretrained(...)"
-                )
-            name_or_path = DEFAULT_MODEL_DIR
-        name_or_path = str(name_or_path)
+        name_or_path = str(resolve_model(name_or_path))  # None or a shipped model's name: its folder
         if dtype is not None:
             hf_kwargs["dtype"] = dtype
         loaded = load_model(name_or_path, options, **hf_kwargs)

@@ -29,6 +29,7 @@ __all__ = [
     "MANIFEST_FILE",
     "assemble",
     "delta_state_dict",
+    "manifest_digest",
     "routed_parameter_ids",
     "save_delta",
 ]
@@ -114,6 +115,11 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
             f"{manifest.get('delta_sha256')}: the delta changed after it was written; restore it (git checkout)"
         )
     return manifest
+
+
+def manifest_digest(folder: str | os.PathLike) -> str:
+    """The sha256 of the delta in ``folder``, checked against its file (what names its assembled cache)."""
+    return _read_manifest(Path(folder))["delta_sha256"]
 
 
 def _stamp_matches(out: Path, manifest: dict[str, Any]) -> bool:

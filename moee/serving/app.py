@@ -97,14 +97,15 @@ def _over(limit: int, unit: str, name: str) -> str:
 
 
 def served_model_name(embedder: Any) -> str:
-    """The ``model`` id clients send: the folder or Hub name (``moee-default`` for the bundled
-    model); never a local path."""
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    """The ``model`` id clients send: the folder or Hub name (``moee-default`` for the default
+    model, a shipped model's name for the others); never a local path."""
+    from moee.models.bundled import DEFAULT_MODEL, shipped_name
 
     name = str(embedder.name_or_path)
     local = Path(name)
-    if local.exists() and local.resolve() == DEFAULT_MODEL_DIR.resolve():
-        return "moee-default"
+    shipped = shipped_name(local) if local.exists() else None
+    if shipped is not None:
+        return "moee-default" if shipped == DEFAULT_MODEL else shipped
     return local.name if local.is_dir() or local.is_absolute() else name
 
 

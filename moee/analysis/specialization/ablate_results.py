@@ -141,9 +141,12 @@ def _local(spec: str | None) -> str | None:
     """A model argument as a comparable name: the bundled model and local folders by their
     resolved path, Hub ids as given."""
     if spec is None or spec == BUNDLED:
-        from moee.embed.embedder import DEFAULT_MODEL_DIR
+        spec = None
+    from moee.models.bundled import BUNDLED as SHIPPED
+    from moee.models.bundled import config_dir
 
-        return str(DEFAULT_MODEL_DIR.resolve())
+    if spec is None or spec in SHIPPED:
+        return str(Path(config_dir(spec)).resolve())
     local = Path(spec).expanduser()
     return str(local.resolve()) if local.exists() else spec
 
