@@ -27,7 +27,17 @@ PACKAGE = ROOT / "moee"
 #: entry that names it or a package holding it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("moee.io", "moee.provenance", "moee.data")),
-    ("model", ("moee.loading", "moee.capture", "moee.moe", "moee.models", "moee.upcycle_settings")),
+    (
+        "model",
+        (
+            "moee.loading",
+            "moee.capture",
+            "moee.moe",
+            "moee.models",
+            "moee.upcycle_settings",
+            "moee.train_settings",
+        ),
+    ),
     ("embed", ("moee.embed", "moee.corpus", "moee.shard")),
     (
         "application",
@@ -38,6 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moee.integrations",
             "moee.serving",
             "moee.benchmarking",
+            "moee.embed_corpus",
         ),
     ),
     ("commands", ("moee.cli_options", "moee.commands")),

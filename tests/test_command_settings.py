@@ -28,6 +28,7 @@ CONVERTED = {
         "UpcycleSettings",
         ["dense", "--out", "o", "--experts", "4", "--top-k", "2"],
     ),
+    "simulate": ("moee.commands.simulate", "SimulateSettings", ["--out", "o"]),
 }
 #: Commands whose flags are not (all) settings fields yet: convert one, then move it to CONVERTED.
 #: serve's limits are ``ServerSettings`` fields; its --host, --port, --log-level and loading flags
@@ -40,7 +41,6 @@ NOT_CONVERTED = (
     "quickstart",
     "search",
     "serve",
-    "simulate",
     "train",
 )
 
@@ -127,6 +127,12 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("upcycle", ["--min-count", "2"], "--min-count applies to --trim-vocab only"),
         ("upcycle", ["--layer-order", "0,x"], "--layer-order must be comma-separated integers"),
         ("upcycle", ["--router-option", "router_noisy=maybe"], "--router-option router_noisy="),
+        ("simulate", ["--n", "40"], "--n must be an integer in [4, 16] (the supported range), got 40"),
+        ("simulate", ["--steps", "0"], "--steps must be a positive integer, got 0"),
+        ("simulate", ["--frame-every", "0"], "--frame-every must be a positive integer, got 0"),
+        ("simulate", ["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+        ("simulate", ["--blend", "1.5"], "--blend must be in [0, 1], got 1.5"),
+        ("simulate", ["--jitter", "-0.1"], "--jitter must be a finite number >= 0, got -0.1"),
     ],
 )
 def test_the_settings_check_every_value_once_naming_the_flag(command, argv, message):

@@ -538,10 +538,10 @@ def test_nan_gradient_is_never_applied_or_checkpointed(corpus, tmp_path, monkeyp
 def _model_for(corpus, out):
     from transformers import AutoTokenizer
 
-    from moee.moe.trainer import _build_model
+    from moee.moe.trainer import TrainingConfig, _build_model
 
     model = _build_model(
-        load_config(tiny_cfg(corpus, out)), AutoTokenizer.from_pretrained(corpus["root"] / "tok")
+        TrainingConfig.from_dict(tiny_cfg(corpus, out)), AutoTokenizer.from_pretrained(corpus["root"] / "tok")
     )
     return model, None
 

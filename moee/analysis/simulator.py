@@ -28,15 +28,19 @@ interpolation. A ceiling of 1e300 only keeps the strength a finite float in very
 strength that large already out-scores any affinity by hundreds, so the dynamics are unchanged).
 
 Everything is a pure function of the config (``numpy.random.default_rng(seed)``), so the same seed
-always gives the same run.
+always gives the same run. ``moee simulate`` runs :func:`run_simulation` with the frozen
+:class:`SimulateSettings`, whose fields carry its flags (``moee.cli_options``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from moee.analysis.settings import _check_ints, flag_of
 
 __all__ = [
     "TOKENS_PER_STEP",
@@ -47,12 +51,14 @@ __all__ = [
     "N_RANGE",
     "SimulatorConfig",
     "SimulationResult",
+    "SimulateSettings",
     "simulate",
     "bar_colours",
     "render_gif",
     "plot_final",
     "plot_max_over_mean",
     "run_showcase",
+    "run_simulation",
     "blend_sweep",
     "plot_blend_sweep",
 ]
@@ -306,6 +312,84 @@ def run_showcase(
     }
     write_json_atomic(out / "simulation.json", payload)
     return payload
+
+
+#: ``--balancing``: which blend weights run (0 = balancing off, 1 = on)
+BALANCING = {"off": (0.0,), "on": (1.0,), "both": (0.0, 1.0)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulateSettings:
+    """What ``moee simulate`` runs (:func:`run_simulation`): one field per flag, each checked once
+    when built, the error naming the flag."""
+
+    n: int = field(
+        default=SimulatorConfig.n, metadata={"help": f"experts, {N_RANGE[0]}..{N_RANGE[1]}", "type": int}
+    )
+    steps: int = field(
+        default=SimulatorConfig.steps, metadata={"help": f"batches of {TOKENS_PER_STEP} tokens", "type": int}
+    )
+    balancing: str = field(default="both", metadata={"help": "which runs", "choices": tuple(BALANCING)})
+    blend: float | None = field(
+        default=None,
+        metadata={
+            "help": "also run with strength <- (1-W)*off_rule + W*on_rule, W in [0, 1]",
+            "type": float,
+            "metavar": "W",
+        },
+    )
+    seed: int = field(default=SimulatorConfig.seed, metadata={"help": "RNG seed", "type": int})
+    jitter: float = field(
+        default=SimulatorConfig.jitter_std, metadata={"help": "score jitter std", "type": float}
+    )
+    frame_every: int = field(default=5, metadata={"help": "one GIF frame every N steps", "type": int})
+    gif: bool = field(default=True, metadata={"help": "write only the PNGs and the JSON"})
+    out: str = field(metadata={"help": "output directory"})
+
+    def __post_init__(self) -> None:
+        low, high = N_RANGE
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not low <= self.n <= high:
+            raise ValueError(
+                f"--n must be an integer in [{low}, {high}] (the supported range), got {self.n!r}"
+            )
+        _check_ints(self, ("steps", "frame_every"), "{flag} must be a positive integer, got {value!r}")
+        _check_ints(self, ("seed",), "{flag} must be an integer >= {least}, got {value!r}", least=0)
+        if self.balancing not in BALANCING:
+            raise ValueError(f"--balancing must be one of {', '.join(BALANCING)}, got {self.balancing!r}")
+        if self.blend is not None and not (_is_real(self.blend) and 0.0 <= self.blend <= 1.0):
+            raise ValueError(f"--blend must be in [0, 1], got {self.blend}")
+        if not (_is_real(self.jitter) and 0.0 <= self.jitter < math.inf):
+            raise ValueError(f"--jitter must be a finite number >= 0, got {self.jitter}")
+        if not str(self.out):
+            raise ValueError(f"{flag_of('out')} must name an output directory")
+
+    @property
+    def blends(self) -> list[float]:
+        """The blend weight of each run: ``--balancing``'s, then ``--blend`` when it is another."""
+        blends = list(BALANCING[self.balancing])
+        if self.blend is not None and self.blend not in blends:
+            blends.append(float(self.blend))
+        return blends
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def run_simulation(settings: SimulateSettings, *, command: list[str] | None = None) -> dict:
+    """``moee simulate``: one run per blend weight of ``settings`` (:func:`run_showcase`), written
+    to ``settings.out``; returns ``simulation.json``'s payload."""
+    return run_showcase(
+        settings.out,
+        blends=settings.blends,
+        frame_every=settings.frame_every,
+        gif=settings.gif,
+        n=settings.n,
+        steps=settings.steps,
+        seed=settings.seed,
+        jitter_std=settings.jitter,
+        command=command,
+    )
 
 
 def blend_sweep(

@@ -1,6 +1,8 @@
 """Train `MoEEForCausalLM` from a JSON config: data, schedule, eval, checkpoints, exact resume.
 
-Config format (JSON; every section optional except `model` and `data`; unknown keys are errors)::
+Config format (JSON; every section optional except `model` and `data`; unknown keys are errors),
+read and checked into a frozen `moee.train_settings.TrainingConfig` (one section per object below;
+its `to_dict()` is what every checkpoint saves)::
 
     {
       "seed": 0,                      # torch seed (init, gate noise) and data-order seed
@@ -50,7 +52,6 @@ applied or saved, naming the last good checkpoint (`NonFiniteTrainingError`).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -59,6 +60,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,28 +79,7 @@ from moee.moe.checkpoint import (
     sha256_file,
 )
 from moee.moe.layer import COLLAPSE_MAX_OVER_MEAN, balance_stats, noise_free_balance
-
-DEFAULTS: dict[str, Any] = {
-    "seed": 0,
-    "threads": None,
-    "model": {},
-    "init": {"from": None},
-    "data": {"train": None, "heldout": None, "tokenizer": None, "seq_len": 256, "cache_dir": "build/tokens"},
-    "optim": {
-        "lr": 3e-3,
-        "betas": [0.9, 0.95],
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "grad_clip": 1.0,
-        "batch_size": 16,
-        "router_lr_scale": 1.0,
-        "trainable": "all",
-    },
-    "schedule": {"max_steps": 1000, "warmup_steps": 50, "min_lr_ratio": 0.1, "time_budget_minutes": None},
-    "eval": {"every": 100, "max_windows": 256, "batch_size": 16},
-    "checkpoint": {"dir": "build/train", "every": 100, "keep": 2},
-    "stop_after_minutes": None,
-}
+from moee.train_settings import TRAINABLE, DataSection, TrainingConfig  # noqa: F401 (TRAINABLE re-exported)
 
 
 class NonFiniteTrainingError(FloatingPointError):
@@ -145,74 +126,10 @@ _TOKENIZER_DEFAULTS = {
 }
 
 
-#: what `optim.trainable` may name: every parameter, or only the routers and the routed experts
-#: (what an upcycled ``lora`` model's delta holds; the dense model stays frozen)
-TRAINABLE = ("all", "routed")
-
-
-def load_config(source: str | os.PathLike | dict) -> dict:
-    """Read a training config (path or dict), fill defaults, and validate names and types."""
-    if isinstance(source, dict):
-        user = copy.deepcopy(source)
-        origin = "config"
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"training config {path} not found")
-        try:
-            user = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"training config {path} is not valid JSON: {exc}") from exc
-        origin = str(path)
-    if not isinstance(user, dict):
-        raise ValueError(f"{origin}: the top level must be a JSON object")
-    unknown = set(user) - set(DEFAULTS) - {"_comment"}
-    if unknown:
-        raise ValueError(f"{origin}: unknown section(s) {sorted(unknown)}; expected {sorted(DEFAULTS)}")
-    cfg = copy.deepcopy(DEFAULTS)
-    for key, value in user.items():
-        if key == "_comment":
-            continue
-        if isinstance(DEFAULTS[key], dict) and key != "model":
-            if not isinstance(value, dict):
-                raise ValueError(f"{origin}: section {key!r} must be an object")
-            bad = set(value) - set(DEFAULTS[key])
-            if bad:
-                raise ValueError(
-                    f"{origin}: unknown key(s) {sorted(bad)} in {key!r}; expected {sorted(DEFAULTS[key])}"
-                )
-            cfg[key].update(value)
-        else:
-            cfg[key] = value
-    if cfg["init"]["from"] is not None:
-        if cfg["model"]:
-            raise ValueError(
-                f"{origin}: init.from {cfg['init']['from']!r} brings its own architecture; "
-                f"leave 'model' empty (got {sorted(cfg['model'])})"
-            )
-    else:
-        _check_model_section(cfg["model"], origin)
-    if cfg["optim"]["trainable"] not in TRAINABLE:
-        raise ValueError(
-            f"{origin}: optim.trainable must be one of {TRAINABLE}, got {cfg['optim']['trainable']!r}"
-        )
-    for name in ("train", "tokenizer"):
-        if not cfg["data"][name]:
-            raise ValueError(f"{origin}: data.{name} is required")
-    for section, key in (("optim", "batch_size"), ("data", "seq_len"), ("schedule", "max_steps")):
-        value = cfg[section][key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{origin}: {section}.{key} must be a positive integer, got {value!r}")
-    max_pos = cfg["model"].get("max_position_embeddings")
-    if max_pos is not None and max_pos < cfg["data"]["seq_len"]:
-        raise ValueError(
-            f"{origin}: model.max_position_embeddings {max_pos} < data.seq_len {cfg['data']['seq_len']}"
-        )
-    if not cfg["optim"]["lr"] > 0:
-        raise ValueError(f"{origin}: optim.lr must be > 0")
-    if cfg["schedule"]["warmup_steps"] < 0 or not 0 <= cfg["schedule"]["min_lr_ratio"] <= 1:
-        raise ValueError(f"{origin}: schedule.warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
-    return cfg
+def load_config(source: str | os.PathLike | Mapping[str, Any] | TrainingConfig) -> dict:
+    """A training config (a JSON file's path, a dict or a `TrainingConfig`) read and checked, as
+    the dict every checkpoint saves (every key, defaults filled in; `TrainingConfig.to_dict`)."""
+    return TrainingConfig.load(source).to_dict()
 
 
 #: where the repository's own inputs come from: a missing one names the script that builds it
@@ -233,17 +150,18 @@ def _looks_local(value: str) -> bool:
     )
 
 
-def check_inputs(cfg: dict) -> None:
+def check_inputs(cfg: TrainingConfig | Mapping[str, Any]) -> None:
     """Every input path of ``cfg`` (``init.from``, ``data.train``, ``data.heldout``,
     ``data.tokenizer``) exists, checked before any work starts; one error lists all that are
     missing, each with the script that builds it (`INPUT_PRODUCERS`). A model or tokenizer source
     that reads as a hub name (``owner/name``) is left to the loader."""
+    cfg = TrainingConfig.load(cfg)
     missing = []
     for key, value, always_local in (
-        ("init.from", cfg["init"]["from"], False),
-        ("data.train", cfg["data"]["train"], True),
-        ("data.heldout", cfg["data"]["heldout"], True),
-        ("data.tokenizer", cfg["data"]["tokenizer"], False),
+        ("init.from", cfg.init.from_, False),
+        ("data.train", cfg.data.train, True),
+        ("data.heldout", cfg.data.heldout, True),
+        ("data.tokenizer", cfg.data.tokenizer, False),
     ):
         if value is None or Path(value).expanduser().exists():
             continue
@@ -257,28 +175,6 @@ def check_inputs(cfg: dict) -> None:
         raise FileNotFoundError(
             f"missing input(s), relative to {os.getcwd()}: " + "; ".join(missing) + "; build them first"
         )
-
-
-def _check_model_section(model: Any, origin: str) -> None:
-    """Reject unknown `model` keys (MoEEConfig would store a misspelt router key and ignore it)
-    and check the values, router settings included, before any data is tokenized."""
-    import dataclasses
-
-    from moee.moe.lm import MoEEConfig
-
-    if not isinstance(model, dict):
-        raise ValueError(f"{origin}: section 'model' must be an object")
-    known = {f.name for f in dataclasses.fields(MoEEConfig)} | set(MoEEConfig.attribute_map)
-    unknown = sorted(set(model) - known)
-    if unknown:
-        raise ValueError(
-            f"{origin}: unknown key(s) {unknown} in 'model'; expected MoEEConfig fields "
-            "(router keys: moee/moe/README_TRAINING.md)"
-        )
-    try:
-        MoEEConfig(**model)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{origin}: model: {exc}") from exc
 
 
 def lr_at(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -621,21 +517,21 @@ class TrainResult:
     stopped_early: bool
 
 
-def _build_model(cfg: dict, tokenizer: Any):
+def _build_model(cfg: TrainingConfig, tokenizer: Any):
     from moee.moe.lm import MoEEConfig, MoEEForCausalLM
 
-    if cfg["init"]["from"] is not None:
-        return _load_init(cfg["init"]["from"], tokenizer, cfg["data"]["seq_len"])
+    if cfg.init.from_ is not None:
+        return _load_init(cfg.init.from_, tokenizer, cfg.data.seq_len)
 
-    kwargs = dict(cfg["model"])
+    kwargs = dict(cfg.model)
     kwargs.setdefault("vocab_size", len(tokenizer))
     kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
     kwargs.setdefault("bos_token_id", tokenizer.bos_token_id)
     kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
-    kwargs.setdefault("max_position_embeddings", cfg["data"]["seq_len"])
+    kwargs.setdefault("max_position_embeddings", cfg.data.seq_len)
     if kwargs["vocab_size"] < len(tokenizer):
         raise ValueError(f"model.vocab_size {kwargs['vocab_size']} < tokenizer size {len(tokenizer)}")
-    torch.manual_seed(cfg["seed"])
+    torch.manual_seed(cfg.seed)
     return MoEEForCausalLM(MoEEConfig(**kwargs))
 
 
@@ -781,7 +677,7 @@ def _flatten(cfg: dict) -> dict[str, Any]:
     return flat
 
 
-def input_digests(data: dict, tokenizer: Any, train_token_file: Path) -> dict[str, str | None]:
+def input_digests(data: DataSection, tokenizer: Any, train_token_file: Path) -> dict[str, str | None]:
     """Content hashes of a run's inputs, stored in each checkpoint so resume compares content, not paths.
 
     `tokenization` covers what the tokenizer contributes: the training token stream it produced
@@ -789,8 +685,8 @@ def input_digests(data: dict, tokenizer: Any, train_token_file: Path) -> dict[st
     """
     specials = [len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id]
     return {
-        "train": sha256_file(data["train"]),
-        "heldout": sha256_file(data["heldout"]) if data["heldout"] else None,
+        "train": sha256_file(data.train),
+        "heldout": sha256_file(data.heldout) if data.heldout else None,
         "tokenization": hashlib.sha256(
             json.dumps([sha256_file(train_token_file), *specials]).encode()
         ).hexdigest(),
@@ -808,7 +704,9 @@ def _content_check(key: str, old: dict, new: dict) -> bool | None:
     return old.get("tokenization") == new["tokenization"]
 
 
-def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int, list[str]]:
+def resume_plan(
+    state: dict, cfg: TrainingConfig | Mapping[str, Any], inputs: dict, where: Path
+) -> tuple[int, list[str]]:
     """Compare a resumed run's config with its checkpoint's; return (max_steps, accepted changes).
 
     Resuming is exact only when everything that shapes the computation is unchanged, so any
@@ -820,8 +718,10 @@ def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int,
     """
     from moee.moe.lm import MoEEConfig
 
-    old, new = _flatten(state.get("config") or {}), _flatten(cfg)
-    defaults = _flatten(DEFAULTS)
+    cfg = TrainingConfig.load(cfg)
+    # the checkpoint's config as it was saved (keys an older trainer did not write take the defaults)
+    old, new = _flatten(state.get("config") or {}), _flatten(cfg.to_dict())
+    defaults = _flatten(TrainingConfig.default_dict())
     # a model key left out means MoEEConfig's default (or the tokenizer's / seq_len, see _build_model)
     defaults.update(
         {
@@ -884,9 +784,9 @@ def resume_plan(state: dict, cfg: dict, inputs: dict, where: Path) -> tuple[int,
     return total, accepted
 
 
-def _calibration_step(cfg: dict) -> int:
+def _calibration_step(cfg: TrainingConfig) -> int:
     """The step after which `time_budget_minutes` fixes max_steps (all in warmup)."""
-    return max(1, min(20, cfg["schedule"]["warmup_steps"]))
+    return max(1, min(20, cfg.schedule.warmup_steps))
 
 
 def _run_artifacts(out_dir: Path) -> list[Path]:
@@ -901,7 +801,7 @@ def _last_good(out_dir: Path) -> str:
 
 
 def train(
-    config: str | os.PathLike | dict,
+    config: str | os.PathLike | Mapping[str, Any] | TrainingConfig,
     *,
     resume: bool = False,
     overwrite: bool = False,
@@ -921,22 +821,16 @@ def train(
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    cfg = load_config(config)
+    cfg = TrainingConfig.load(config)  # read and checked once
     check_inputs(cfg)
-    if cfg["threads"]:
-        torch.set_num_threads(int(cfg["threads"]))
-    data, optim_cfg, sched, ev, ck = (
-        cfg["data"],
-        cfg["optim"],
-        cfg["schedule"],
-        cfg["eval"],
-        cfg["checkpoint"],
-    )
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    data, optim_cfg, sched, ev, ck = cfg.data, cfg.optim, cfg.schedule, cfg.eval, cfg.checkpoint
     if resume and overwrite:
         raise ValueError(
             "resume and overwrite exclude each other: resume continues the run, overwrite replaces it"
         )
-    out_dir = Path(ck["dir"])
+    out_dir = Path(ck.dir)
     log_path = out_dir / "log.jsonl"
     ckpt = state = None
     existing: list[Path] = []
@@ -944,7 +838,7 @@ def train(
         from moee.io import check_not_an_input
 
         sources = ("init.from", "data.train", "data.heldout", "data.tokenizer")
-        values = (cfg["init"]["from"], data["train"], data["heldout"], data["tokenizer"])
+        values = (cfg.init.from_, data.train, data.heldout, data.tokenizer)
         check_not_an_input(out_dir, dict(zip(sources, values)), what="checkpoint.dir")
     if resume:
         ckpt = latest_checkpoint(out_dir)
@@ -969,21 +863,21 @@ def train(
                 "--overwrite (deletes its checkpoints and log.jsonl)"
             )
 
-    tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
-    train_file = tokenize_to_file(data["train"], tokenizer, data["cache_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(data.tokenizer)
+    train_file = tokenize_to_file(data.train, tokenizer, data.cache_dir)
     train_tokens = load_tokens(train_file)
     inputs = input_digests(data, tokenizer, train_file)
-    max_steps = sched["max_steps"]
+    max_steps = sched.max_steps
     accepted: list[str] = []
     if resume:
         max_steps, accepted = resume_plan(state, cfg, inputs, ckpt)
-    sampler = WindowSampler(train_tokens, data["seq_len"], cfg["seed"])
+    sampler = WindowSampler(train_tokens, data.seq_len, cfg.seed)
     heldout = None
-    if data["heldout"]:
+    if data.heldout:
         heldout = eval_windows(
-            load_tokens(tokenize_to_file(data["heldout"], tokenizer, data["cache_dir"])),
-            data["seq_len"],
-            ev["max_windows"],
+            load_tokens(tokenize_to_file(data.heldout, tokenizer, data.cache_dir)),
+            data.seq_len,
+            ev.max_windows,
         )
 
     model = _build_model(cfg, tokenizer)
@@ -997,7 +891,7 @@ def train(
     router_params = {
         id(p) for m in model.modules() if getattr(m, "_moee_router_part", False) for p in m.parameters()
     }
-    if optim_cfg["trainable"] == "routed":
+    if optim_cfg.trainable == "routed":
         from moee.moe.delta import routed_parameter_ids
 
         keep = routed_parameter_ids(model)
@@ -1012,21 +906,21 @@ def train(
     param_groups = [
         {
             "params": params,
-            "weight_decay": optim_cfg["weight_decay"] if decays else 0.0,
-            "lr_scale": optim_cfg["router_lr_scale"] if is_router else 1.0,
+            "weight_decay": optim_cfg.weight_decay if decays else 0.0,
+            "lr_scale": optim_cfg.router_lr_scale if is_router else 1.0,
         }
         for (is_router, decays), params in sorted(groups.items())
     ]
     optimizer = torch.optim.AdamW(
         param_groups,
-        lr=optim_cfg["lr"],
-        betas=tuple(optim_cfg["betas"]),
-        eps=optim_cfg["eps"],
+        lr=optim_cfg.lr,
+        betas=optim_cfg.betas,
+        eps=optim_cfg.eps,
     )
 
     step = 0
     position = 0
-    budget = sched["time_budget_minutes"]
+    budget = sched.time_budget_minutes
     calibrate_at = _calibration_step(cfg) if budget else None
     if resume:
         state = load_checkpoint(ckpt, model, optimizer, state)
@@ -1048,12 +942,13 @@ def train(
             else:
                 old.unlink()
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg["seed"] + 1)  # training-time randomness (gate noise) after the init draw
+        torch.manual_seed(cfg.seed + 1)  # training-time randomness (gate noise) after the init draw
 
     last_stop = max_steps if stop_at_step is None else min(max_steps, stop_at_step)
     start_step = step
-    bs, seq_len = optim_cfg["batch_size"], data["seq_len"]
-    deadline = time.time() + 60 * cfg["stop_after_minutes"] if cfg["stop_after_minutes"] else None
+    bs, seq_len = optim_cfg.batch_size, data.seq_len
+    deadline = time.time() + 60 * cfg.stop_after_minutes if cfg.stop_after_minutes else None
+    saved_config = cfg.to_dict()  # what every checkpoint records (resume_plan compares with it)
     last_eval = None
     ckpt_path = None
     if resume:  # what the checkpoint reached, in case there is nothing left to train
@@ -1061,20 +956,20 @@ def train(
         evals = [r for r in previous if r.get("kind") == "eval" and r["step"] == step]
         if evals:
             last_eval = {k: v for k, v in evals[-1].items() if k not in ("kind", "step")}
-        elif heldout is not None and state.get("eval_due", step % ev["every"] == 0):
+        elif heldout is not None and state.get("eval_due", step % ev.every == 0):
             # the run stopped between this checkpoint and the evaluation that follows it: run
             # that evaluation now, so the held-out history keeps every step
             last_eval = _log_eval(
-                log_path, step, evaluate(model, heldout, ev["batch_size"]), None, ceiling, router_type
+                log_path, step, evaluate(model, heldout, ev.batch_size), None, ceiling, router_type
             )
     t_start = time.time()
     tokens_run = 0
     bar = tqdm(total=max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="train")
     stopped_early = False
     while step < last_stop:
-        mult = lr_at(step, max_steps, sched["warmup_steps"], sched["min_lr_ratio"])
+        mult = lr_at(step, max_steps, sched.warmup_steps, sched.min_lr_ratio)
         for group in optimizer.param_groups:
-            group["lr"] = optim_cfg["lr"] * mult * group["lr_scale"]
+            group["lr"] = optim_cfg.lr * mult * group["lr_scale"]
         batch = sampler.batch(position, bs)
         out = model(input_ids=batch, labels=batch)
         loss = out.loss
@@ -1084,7 +979,7 @@ def train(
             )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg["grad_clip"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise NonFiniteGradientError(
                 f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1} with a finite loss "
@@ -1110,7 +1005,7 @@ def train(
         record = {
             "kind": "train",
             "step": step,
-            "lr": optim_cfg["lr"] * mult,
+            "lr": optim_cfg.lr * mult,
             "loss": loss.item(),
             "lm_loss": lm,
             "aux_loss": out.aux_loss.item(),
@@ -1145,7 +1040,7 @@ def train(
             calibrate_at = None
         timed_out = deadline is not None and time.time() > deadline
         done = step == last_stop or timed_out
-        if step % ck["every"] == 0 or done:
+        if step % ck.every == 0 or done:
             try:
                 ckpt_path = save_checkpoint(
                     out_dir,
@@ -1153,21 +1048,21 @@ def train(
                     model=model,
                     optimizer=optimizer,
                     data_position=position,
-                    config=cfg,
+                    config=saved_config,
                     # whether a held-out evaluation follows this checkpoint: a resume from it runs
                     # that evaluation when the log does not hold it (a stop between the two)
                     extra={
                         "max_steps": max_steps,
                         "inputs": inputs,
-                        "eval_due": heldout is not None and (step % ev["every"] == 0 or done),
+                        "eval_due": heldout is not None and (step % ev.every == 0 or done),
                     },
-                    keep=ck["keep"],
+                    keep=ck.keep,
                 )
             except NonFiniteCheckpointError as exc:
                 raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(out_dir)})") from exc
-        if heldout is not None and (step % ev["every"] == 0 or done):
+        if heldout is not None and (step % ev.every == 0 or done):
             last_eval = _log_eval(
-                log_path, step, evaluate(model, heldout, ev["batch_size"]), bar, ceiling, router_type
+                log_path, step, evaluate(model, heldout, ev.batch_size), bar, ceiling, router_type
             )
         if timed_out and step < last_stop:
             stopped_early = True
