@@ -12,8 +12,13 @@ Each field declares its flag beside itself, in ``dataclasses.field(metadata=...)
   ensemble of ``--prompt``); ``None`` (``none``) cannot be joined with others;
 - ``nargs``: argparse's (``"+"``: several values after one flag); ``action``: ``"append"`` only (the
   flag may be given several times, each value kept);
-- ``embed``: the field holds a flags dataclass (``LoadOptions``; ``EmbeddingConfig``, whose flags
-  are then explicit, but for the fields in ``exclude``): its flags are added instead of one.
+- ``embed``: the field holds a flags dataclass (``LoadOptions``, ``ServerSettings``, ...;
+  ``EmbeddingConfig``, whose flags are then explicit, but for the fields in ``exclude``): its flags
+  are added instead of one. An ``EmbeddingConfig`` is resolved against the model of the first set
+  field of ``model_from`` (default ``("model",)``), or kept as the flags given (``resolve``: false);
+- ``positional``: the field is a positional argument (named as the field), not a ``--flag``;
+- ``exclusive``: a name shared by the fields whose flags exclude each other (one group; the group
+  is required when one of them says ``required``).
 
 A field without a default is a required flag, as is one whose metadata says ``required`` (a setting
 a library caller may leave unset, e.g. an output folder). A field with ``init=False`` (a value the
@@ -38,11 +43,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from dataclasses import MISSING, Field, fields
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from moee.embed.config import PAPER_FIELDS, EmbeddingConfig, load_model_config, resolve_config
+from moee.corpus import make_encoder  # re-exported: it moved to the library
+from moee.embed.config import PAPER_FIELDS, PAPER_HELP, EmbeddingConfig, load_model_config, resolve_config
 from moee.loading import LoadOptions
 
 __all__ = [
@@ -76,6 +81,10 @@ METADATA_KEYS = frozenset(
         "embed",
         "exclude",
         "required",
+        "positional",
+        "exclusive",
+        "model_from",
+        "resolve",
     }
 )
 #: Argument groups fields may name (``group``), by their title in ``--help``.
@@ -84,15 +93,12 @@ GROUPS = {
     "serve-limits": "batching and limits",
     "serve-access": "access",
     "serve-connections": "connections",
+    "embed-ray": "Ray (--engine ray; the moee[ray] extra, docs/SCALING.md)",
+    "embed-sharding": "sharding (multi-process / multi-GPU)",
 }
 
 #: How the help of an embedding flag names its default.
 MODEL_DEFAULT_TEXT = "the model's saved configuration, else {}"
-
-PAPER_HELP = (
-    "the paper's configuration as explicit flags (MoEE sum, PromptEOL, last token, softmax scores) "
-    "instead of the model's; other flags given override it (evaluate: for every method of --methods)"
-)
 
 
 class _Repeated(argparse.Action):
@@ -136,6 +142,7 @@ def add_field_arguments(
     returns the field names added. ``explicit``: flags are absent unless given, and their help
     names the model's saved configuration as the default."""
     groups: dict[str, Any] = {}
+    exclusive: dict[str, Any] = {}
     added = []
     for f in fields(cls):
         if f.name in exclude or not f.init:
@@ -145,8 +152,8 @@ def add_field_arguments(
         if _embeds(f, EmbeddingConfig):
             added += add_embedding_arguments(parser, exclude=meta.get("exclude", {}), paper=False)
             continue
-        if _embeds(f, LoadOptions):
-            added += add_field_arguments(parser, LoadOptions, explicit=False)
+        if isinstance(meta.get("embed"), type):  # LoadOptions, ServerSettings, ...: their own flags
+            added += add_field_arguments(parser, meta["embed"], explicit=False)
             continue
         if unknown or "help" not in meta or meta.get("action", "append") != "append":
             raise TypeError(
@@ -180,7 +187,21 @@ def add_field_arguments(
         if "group" in meta:
             title = GROUPS[meta["group"]]
             target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
-        target.add_argument(_flag_name(f, explicit), **kwargs)
+        if "exclusive" in meta:  # one of these flags at most (exactly one when one is required)
+            key = meta["exclusive"]
+            if key not in exclusive:
+                members = [g for g in fields(cls) if g.metadata.get("exclusive") == key]
+                needed = any(g.metadata.get("required") for g in members)
+                exclusive[key] = target.add_mutually_exclusive_group(required=needed)
+            target = exclusive[key]
+            kwargs.pop("required", None)
+            kwargs["default"] = _field_default(f)
+        if meta.get("positional"):  # named as the field; argparse takes no dest for it
+            del kwargs["dest"]
+            kwargs.pop("required", None)
+            target.add_argument(f.name, **kwargs)
+        else:
+            target.add_argument(_flag_name(f, explicit), **kwargs)
         added.append(f.name)
     return added
 
@@ -193,19 +214,30 @@ def _embeds(f: Field, options: type) -> bool:
 
 def settings_of(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     """The settings dataclass ``cls`` (:func:`add_field_arguments`' flags) from parsed flags: each
-    field from its flag (an embedded ``LoadOptions`` from the loading flags, an ``EmbeddingConfig``
-    resolved as :func:`embedding_config` does), ``given`` for the fields that are no flag."""
+    field from its flag (an embedded flags dataclass, e.g. ``LoadOptions``, from its own flags; an
+    ``EmbeddingConfig`` resolved as :func:`embedding_config` does against the model its
+    ``model_from`` names, or the flags given when ``resolve`` is false), ``given`` for the fields
+    that are no flag."""
     values: dict[str, Any] = {}
+    embedded = []
     for f in fields(cls):
         if not f.init or f.name in given:
             continue
-        if _embeds(f, LoadOptions):
-            values[f.name] = load_options(args)
-        elif _embeds(f, EmbeddingConfig):
-            values[f.name] = embedding_config(args)
+        if _embeds(f, EmbeddingConfig):
+            embedded.append(f)  # after the other fields: it is resolved against their model
+        elif isinstance(f.metadata.get("embed"), type):
+            values[f.name] = settings_of(f.metadata["embed"], args)
         elif f.name in vars(args):
             value = getattr(args, f.name)
             values[f.name] = tuple(value) if isinstance(value, list) else value
+    for f in embedded:
+        if f.metadata.get("resolve", True):
+            names = f.metadata.get("model_from", ("model",))
+            known = {**values, **given}
+            model = next((known[n] for n in names if known.get(n) is not None), None)
+            values[f.name] = resolve_config(model_config_of(model), **explicit_config(args))
+        else:
+            values[f.name] = explicit_config(args)
     return cls(**values, **given)
 
 
@@ -271,10 +303,3 @@ def load_from_args(args: argparse.Namespace, **changes: Any) -> Any:
     from moee.embed.embedder import MoEEmbedder
 
     return MoEEmbedder.from_pretrained(args.model, load_options(args).replace(**changes))
-
-
-def make_encoder(embedder: Any, config: EmbeddingConfig | Mapping[str, Any], batch_size: int):
-    """``texts -> float32 [n, dim]`` with a recorded configuration (`moee embed`, `moee search`)."""
-    if not isinstance(config, EmbeddingConfig):
-        config = EmbeddingConfig.from_dict(config)
-    return partial(embedder.encode, config=config, batch_size=batch_size, show_progress_bar=False)

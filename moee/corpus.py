@@ -8,7 +8,8 @@ weights digest, so ``moee search --embeddings X.npy --texts corpus.txt`` (or ``-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from moee.embed.config import EmbeddingConfig, check_config_fits_model
 from moee.embed.validation import check_texts
 from moee.io import run_metadata, texts_digest, write_embeddings
 
-__all__ = ["run_facts", "save_corpus"]
+__all__ = ["make_encoder", "run_facts", "save_corpus"]
 
 
 def save_corpus(
@@ -58,3 +59,13 @@ def run_facts(embedder: Any, batch_size: int) -> dict[str, Any]:
     if Path(resolved).exists():  # a local model: record an absolute path, usable from any directory
         resolved = str(Path(resolved).resolve())
     return {"model_resolved": resolved, "weights_digest": embedder.weights_digest, "batch_size": batch_size}
+
+
+def make_encoder(
+    embedder: Any, config: EmbeddingConfig | Mapping[str, Any], batch_size: int
+) -> Callable[..., Any]:
+    """``texts -> float32 [n, dim]`` under a recorded configuration (``moee embed``, ``moee search``;
+    a mapping is a sidecar's :meth:`EmbeddingConfig.to_dict` form)."""
+    if not isinstance(config, EmbeddingConfig):
+        config = EmbeddingConfig.from_dict(config)
+    return partial(embedder.encode, config=config, batch_size=batch_size, show_progress_bar=False)

@@ -23,6 +23,7 @@ CONVERTED = {
     "report": ("moee.commands.report", "ReportSettings", ["--corpus", "c.txt", "--out", "o"]),
     "ablate": ("moee.commands.ablate", "AblateSettings", ["--corpus", "c.txt", "--out", "o"]),
     "routes": ("moee.commands.routes", "RoutesSettings", ["--corpus", "c.txt", "--out", "o.parquet"]),
+    "embed": ("moee.commands.embed", "EmbedSettings", ["in.txt", "--out", "e.npy"]),
     "upcycle": (
         "moee.commands.upcycle",
         "UpcycleSettings",
@@ -35,7 +36,6 @@ CONVERTED = {
 #: are not yet. The embedding commands' configuration flags are ``EmbeddingConfig`` fields already;
 #: their other options (embed's engine options, evaluate's, train's) are not.
 NOT_CONVERTED = (
-    "embed",
     "evaluate",
     "fit-reference",
     "quickstart",
@@ -122,6 +122,14 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("ablate", ["--swap-from", "x", "--steer", "0:1=2"], "--swap-from and --steer are two analyses"),
         ("routes", ["--max-texts", "0"], "--max-texts must be a positive integer, got 0"),
         ("routes", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("embed", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("embed", ["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+        ("embed", ["--merge-timeout", "-1"], "--merge-timeout must be a finite number >= 0, got -1.0"),
+        ("embed", ["--shard-rank", "1"], "--shard-rank/--num-shards need --sharded"),
+        ("embed", ["--address", "auto"], "--id-field/--address need --engine ray"),
+        ("embed", ["--engine", "ray", "--sharded"], "--engine ray shards by itself"),
+        ("embed", ["--sharded"], "with --sharded, --out is a directory, got e.npy"),
+        ("embed", ["--merge", "d"], "--merge DIR takes no INPUT and no --sharded"),
         ("upcycle", ["--router-std", "nan"], "--router-std must be a finite number >= 0, got nan"),
         ("upcycle", ["--top-k", "5"], "--top-k must be an int in [1, --experts=4], got 5"),
         ("upcycle", ["--min-count", "2"], "--min-count applies to --trim-vocab only"),

@@ -81,3 +81,33 @@ def test_check_texts_names_a_lone_surrogate():
     with pytest.raises(ValueError, match=r"texts\[2\] contains a lone surrogate U\+DC80 at character 3"):
         check_texts(["ok", "fine é", "abc\udc80def"])
     assert check_texts(["emoji 🙂 ok"]) == ["emoji 🙂 ok"]
+
+
+def test_a_configuration_is_checked_where_it_is_built_and_trusted_below(monkeypatch):
+    """An ``EmbeddingConfig`` checks its pooling (and every other field) when it is built, where
+    ``moee embed``'s settings or ``encode``'s keywords build it; ``encode(config=...)`` builds none
+    again on its way down (features, one trace per prompt), and the only other pooling check is
+    the recorder's own, for its direct callers."""
+    from moee.capture import recorder
+    from moee.capture.tiny import tiny_model, tiny_tokenizer
+    from moee.embed import config as config_module
+    from moee.embed.config import EmbeddingConfig
+    from moee.embed.embedder import MoEEmbedder
+
+    emb = MoEEmbedder(tiny_model("olmoe", n_layers=2), tiny_tokenizer())
+    config = EmbeddingConfig(pooling="mean", prompt=("prompteol", "meaning"))  # two prompts: two forwards
+    checked, built = [], []
+    check_choice = config_module.check_choice  # the one check (moee.capture.vocabulary's)
+
+    def counting(kind, value, allowed):
+        checked.append(kind)
+        return check_choice(kind, value, allowed)
+
+    post_init = EmbeddingConfig.__post_init__
+    monkeypatch.setattr(config_module, "check_choice", counting)
+    monkeypatch.setattr(recorder, "check_choice", counting, raising=False)
+    monkeypatch.setattr(EmbeddingConfig, "__post_init__", lambda self: built.append(1) or post_init(self))
+    emb.encode(["a cat", "a dog"], config=config)
+    assert built == [] and checked.count("pooling") == 2  # the recorder's, once per forward
+    with pytest.raises(ValueError, match="^unknown pooling 'max'; expected one of: last, mean$"):
+        emb.encode(["a cat"], pooling="max")  # a Python caller's keywords: checked by the same function

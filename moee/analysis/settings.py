@@ -17,7 +17,7 @@ from typing import Any
 
 from moee.embed.config import EmbeddingConfig
 from moee.loading import LoadOptions
-from moee.models.bundled import DEFAULT_MODEL, MODEL_HELP
+from moee.models.bundled import model_field
 
 __all__ = ["AblateSettings", "ReportSettings", "RoutesSettings", "flag_of"]
 
@@ -30,14 +30,7 @@ def flag_of(name: str) -> str:
 
 
 # fields every analysis command shares, declared once
-def _model() -> Any:
-    return _field(
-        default=None,
-        metadata={
-            "help": MODEL_HELP,
-            "default_text": DEFAULT_MODEL,
-        },
-    )
+_model = model_field
 
 
 def _load() -> Any:

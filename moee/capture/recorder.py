@@ -57,6 +57,7 @@ from moee.capture.registry import (
     selection_scores,
 )
 from moee.capture.vocabulary import POOLINGS as EMBEDDING_POOLINGS
+from moee.capture.vocabulary import check_choice
 
 __all__ = ["RoutingRecorder", "POOLINGS", "SCORES", "DEFAULT_SCORE", "looks_like_probabilities"]
 
@@ -122,10 +123,8 @@ class RoutingRecorder:
         score: str = DEFAULT_SCORE,
         hs_layers: bool = False,
     ) -> None:
-        if pooling not in POOLINGS:
-            raise ValueError(f"unknown pooling {pooling!r}; expected one of: {', '.join(POOLINGS)}")
-        if score not in SCORES:
-            raise ValueError(f"unknown score {score!r}; expected one of: {', '.join(SCORES)}")
+        check_choice("pooling", pooling, POOLINGS)  # a caller of the recorder itself; the embedder's
+        check_choice("score", score, SCORES)  # values come from a checked EmbeddingConfig
         self.model = model
         self.routers = list(routers) if routers is not None else find_routers(model)
         if not self.routers:

@@ -8,7 +8,10 @@ neither torch nor transformers.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_SCORE", "POOLINGS", "SCORES"]
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_SCORE", "POOLINGS", "SCORES", "check_choice"]
 
 #: Poolings of a text's tokens into one HS / RW row (``moee.capture.recorder`` adds ``"tokens"``,
 #: which keeps every token and is not an embedding).
@@ -22,3 +25,11 @@ SCORES = ("native", "softmax", "selection", "logits")
 #: The score every API, CLI command and evaluation uses unless told otherwise: the scores the model
 #: itself computes (equal to ``softmax`` for softmax routers, so the paper's models are unchanged).
 DEFAULT_SCORE = "native"
+
+
+def check_choice(kind: str, value: Any, allowed: Sequence[str]) -> str:
+    """Return ``value`` if it is one of ``allowed``, else raise ``ValueError`` listing them: the one
+    check of a name (a pooling, a score, a method, ...), so every entry point words it the same."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"unknown {kind} {value!r}; expected one of: {', '.join(allowed)}")
+    return value

@@ -60,14 +60,15 @@ __all__ = [
     "MODEL_CONFIG_FILE",
     "MODEL_DEFAULT",
     "PAPER_FIELDS",
+    "PAPER_HELP",
     "EmbeddingConfig",
     "check_config_fits_model",
-    "check_trace_settings",
     "config_label",
     "drop_model_reference",
     "load_model_config",
     "load_model_prompts",
     "normalize_prompts",
+    "paper_field",
     "prompt_templates",
     "resolve_config",
     "save_model_config",
@@ -91,6 +92,11 @@ PAPER_FIELDS: dict[str, Any] = {
     "prompt": "prompteol",
     "score": "softmax",
 }
+#: The help of ``--paper`` (a field of every embedding command's settings).
+PAPER_HELP = (
+    "the paper's configuration as explicit flags (MoEE sum, PromptEOL, last token, softmax scores) "
+    "instead of the model's; other flags given override it (evaluate: for every method of --methods)"
+)
 
 #: The file in a model folder that holds the model's own embedding configuration.
 MODEL_CONFIG_FILE = "moee_embedding.json"
@@ -204,16 +210,9 @@ def prompt_label(prompt: str | tuple[str, ...] | None) -> str:
     return "+".join(prompt) if isinstance(prompt, tuple) else prompt
 
 
-def check_trace_settings(pooling: str, prompt: str | None, score: str) -> str | None:
-    """Check what one forward pass depends on (pooling, prompt, score); returns the prompt template.
-
-    Shared by :class:`EmbeddingConfig` and the callers that trace without a method
-    (``MoEEmbedder.trace``, ``TraceCache``), so all of them give the same message for a mistake.
-    """
-    check_choice("pooling", pooling, POOLINGS)
-    template = resolve_prompt(prompt)  # a typo must not become a literal prompt
-    check_choice("score", score, SCORES)
-    return template
+def paper_field() -> Any:
+    """The ``--paper`` field of an embedding command's settings (:data:`PAPER_HELP`)."""
+    return field(default=False, metadata={"help": PAPER_HELP})
 
 
 def check_alpha_or_auto(alpha: Any) -> float | str:

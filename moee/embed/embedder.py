@@ -52,7 +52,6 @@ from moee.capture.registry import backbone, find_routers
 from moee.embed.config import (
     MODEL_DEFAULT,
     EmbeddingConfig,
-    check_trace_settings,
     load_model_config,
     load_model_prompts,
     normalize_prompts,
@@ -517,14 +516,34 @@ class MoEEmbedder:
         A keyword left out comes from the model's configuration (:meth:`resolve_config`); the result
         records the values used. The layer choices and the reference apply later (:meth:`features`)."""
         texts = check_texts(texts)
-        config = self.resolve_config(pooling=pooling, prompt=prompt, score=score, recipe=recipe)
+        config = self.resolve_config(pooling=pooling, prompt=prompt, score=score, recipe=recipe)  # checked
         if config.is_ensemble:
             raise ValueError(
                 f"trace runs one prompt; the configuration's prompt is the ensemble {config.prompt_label!r}: "
                 "pass prompt= (or use features() for an ensemble)"
             )
+        return self._trace(
+            texts,
+            config,
+            config.prompt_template,
+            hs_layers=hs_layers,
+            batch_size=batch_size,
+            show_progress_bar=show_progress_bar,
+        )
+
+    def _trace(
+        self,
+        texts: list[str],
+        config: EmbeddingConfig,
+        template: str | None,
+        *,
+        hs_layers: bool,
+        batch_size: int,
+        show_progress_bar: bool | None,
+    ) -> RoutingTrace:
+        """:meth:`trace` of checked texts under ``config``'s pooling, score and recipe (an
+        ``EmbeddingConfig`` is checked when it is built: trusted here) and one of its prompt templates."""
         pooling, score, recipe = config.pooling, config.score, config.recipe
-        template = check_trace_settings(pooling, config.prompt_template, score)
         batch_size = check_positive_int("batch_size", batch_size)
         n = len(texts)
         rw = np.zeros((n, self.n_moe_layers, self.n_experts), dtype=np.float32)
@@ -774,15 +793,13 @@ class MoEEmbedder:
             self.check_reference(reference, config)
         hs_out, rw_out = [], []
         for template in config.prompt_templates:
-            trace = self.trace(
+            trace = self._trace(
                 texts,
-                pooling=config.pooling,
-                prompt=template,
-                score=config.score,
+                config,
+                template,
                 hs_layers=config.hs_layer is not None,
                 batch_size=batch_size,
                 show_progress_bar=show_progress_bar,
-                recipe=config.recipe,
             )
             hs = trace.hs if config.hs_layer is None else select_hs(trace.hs_all_layers, config.hs_layer)
             n_layers = trace.rw.shape[1]
@@ -855,8 +872,7 @@ class MoEEmbedder:
         config = self.resolve_config(prompt=prompt, score=score)
         if config.is_ensemble:
             raise ValueError("token routes run one prompt; pass prompt= instead of an ensemble")
-        score = config.score
-        template = check_trace_settings("last", config.prompt_template, score)
+        score, template = config.score, config.prompt_template  # checked when the config was built
         batch_size = check_positive_int("batch_size", batch_size)
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]

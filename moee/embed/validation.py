@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from moee.capture.vocabulary import check_choice  # re-exported: the one check of a name
+
+__all__ = ["check_alpha", "check_choice", "check_positive_int", "check_texts"]
+
 
 def check_texts(texts: Any) -> list[str]:
     """Return ``texts`` as a list of str, or raise naming the first bad item.
@@ -57,13 +61,6 @@ def _check_encodable(i: int, text: str) -> None:
             f"texts[{i}] contains a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}; "
             "it is not valid Unicode text (decode the input with errors='replace' or fix it)"
         ) from None
-
-
-def check_choice(kind: str, value: Any, allowed: Sequence[str]) -> str:
-    """Return ``value`` if it is one of ``allowed``, else raise ``ValueError`` listing them."""
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"unknown {kind} {value!r}; expected one of: {', '.join(allowed)}")
-    return value
 
 
 def check_alpha(alpha: Any) -> float:

@@ -14,8 +14,9 @@ entry of :data:`BUNDLED` plus its test.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "BUNDLED",
@@ -24,6 +25,7 @@ __all__ = [
     "BundledModel",
     "bundled",
     "config_dir",
+    "model_field",
     "resolve_model",
     "shipped_name",
 ]
@@ -78,6 +80,12 @@ BUNDLED: dict[str, BundledModel] = {
 DEFAULT_MODEL = "minilm-moe"
 #: What a ``--model`` flag says it takes.
 MODEL_HELP = f"model: a shipped model's name ({', '.join(BUNDLED)}), a Hub id or a local path"
+
+
+def model_field() -> Any:
+    """The ``--model`` field of a command's settings (``moee.cli_options`` reads its flag from the
+    metadata): ``None`` loads :data:`DEFAULT_MODEL`."""
+    return field(default=None, metadata={"help": MODEL_HELP, "default_text": DEFAULT_MODEL})
 
 
 def bundled(name: str | None = None) -> BundledModel:
