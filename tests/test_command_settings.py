@@ -10,6 +10,7 @@ import argparse
 import importlib
 import re
 from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,30 +19,32 @@ from moee.cli_options import add_field_arguments, settings_of
 from moee.embed.config import EmbeddingConfig
 from moee.loading import LoadOptions
 
+#: a training config (``moee train``'s settings read --config when they are built)
+TRAIN_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "default_model.json")
 #: command -> (its module, the name of its settings class there, the fewest arguments it parses)
 CONVERTED = {
     "report": ("moee.commands.report", "ReportSettings", ["--corpus", "c.txt", "--out", "o"]),
     "ablate": ("moee.commands.ablate", "AblateSettings", ["--corpus", "c.txt", "--out", "o"]),
     "routes": ("moee.commands.routes", "RoutesSettings", ["--corpus", "c.txt", "--out", "o.parquet"]),
     "embed": ("moee.commands.embed", "EmbedSettings", ["in.txt", "--out", "e.npy"]),
+    "fit-reference": ("moee.commands.fit_reference", "FitReferenceSettings", ["c.txt", "--out", "r"]),
     "upcycle": (
         "moee.commands.upcycle",
         "UpcycleSettings",
         ["dense", "--out", "o", "--experts", "4", "--top-k", "2"],
     ),
     "simulate": ("moee.commands.simulate", "SimulateSettings", ["--out", "o"]),
+    "train": ("moee.commands.train", "TrainSettings", ["--config", TRAIN_CONFIG]),
 }
 #: Commands whose flags are not (all) settings fields yet: convert one, then move it to CONVERTED.
 #: serve's limits are ``ServerSettings`` fields; its --host, --port, --log-level and loading flags
 #: are not yet. The embedding commands' configuration flags are ``EmbeddingConfig`` fields already;
-#: their other options (embed's engine options, evaluate's, train's) are not.
+#: their other options (embed's engine options, evaluate's) are not.
 NOT_CONVERTED = (
     "evaluate",
-    "fit-reference",
     "quickstart",
     "search",
     "serve",
-    "train",
 )
 
 
@@ -130,6 +133,8 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("embed", ["--engine", "ray", "--sharded"], "--engine ray shards by itself"),
         ("embed", ["--sharded"], "with --sharded, --out is a directory, got e.npy"),
         ("embed", ["--merge", "d"], "--merge DIR takes no INPUT and no --sharded"),
+        ("fit-reference", ["--max-texts", "0"], "--max-texts must be >= 1, got 0"),
+        ("fit-reference", ["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
         ("upcycle", ["--router-std", "nan"], "--router-std must be a finite number >= 0, got nan"),
         ("upcycle", ["--top-k", "5"], "--top-k must be an int in [1, --experts=4], got 5"),
         ("upcycle", ["--min-count", "2"], "--min-count applies to --trim-vocab only"),
@@ -141,6 +146,7 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("simulate", ["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
         ("simulate", ["--blend", "1.5"], "--blend must be in [0, 1], got 1.5"),
         ("simulate", ["--jitter", "-0.1"], "--jitter must be a finite number >= 0, got -0.1"),
+        ("train", ["--stop-at-step", "0"], "--stop-at-step must be a positive integer, got 0"),
     ],
 )
 def test_the_settings_check_every_value_once_naming_the_flag(command, argv, message):

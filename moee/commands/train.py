@@ -1,6 +1,7 @@
 """`moee train --config FILE [--resume | --overwrite]`: train the from-scratch MoE language model.
 
-The config format is documented in `moee.moe.trainer` (and moee/moe/README_TRAINING.md);
+The flags are the fields of `moee.train_settings.TrainSettings`; the config file is read and
+checked into a `moee.train_settings.TrainingConfig` (format: moee/moe/README_TRAINING.md);
 `model.router_type` picks any gate of `moee.moe.gate_registry.GATES`.
 Exit status: 0 done, 2 bad input (a config, checkpoint or log problem, a non-empty run
 directory without --overwrite, a config change --resume refuses), 3 a NaN/inf loss, gradient
@@ -13,6 +14,10 @@ import argparse
 import sys
 import warnings
 
+from moee.train_settings import TrainSettings
+
+__all__ = ["register", "run"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -20,29 +25,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train the from-scratch MoE language model from a JSON config",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--config", required=True, help="training config (JSON; see moee/moe/README_TRAINING.md)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.dir"
-    )
-    mode.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start a fresh run in a checkpoint.dir that holds an earlier run, deleting its checkpoints and log",
-    )
-    p.add_argument(
-        "--stop-at-step",
-        type=int,
-        default=None,
-        help="checkpoint and stop after this step (schedule unchanged)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    from moee.cli_options import add_field_arguments
+
+    add_field_arguments(p, TrainSettings, explicit=False)  # one flag per field
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moee.cli_options import settings_of
     from moee.moe.gate_registry import CausalLeakWarning
     from moee.moe.trainer import NonFiniteTrainingError, RunDirectoryNotEmptyError, TrainerWarning, train
+
+    settings = settings_of(TrainSettings, args)  # the flags and the config file checked here
 
     def show(message: Warning | str, category: type[Warning], *_args, **_kwargs) -> None:
         print(f"moee train: warning: {message}", file=sys.stderr)
@@ -53,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
             warnings.simplefilter("always", CausalLeakWarning)  # e.g. router_type "expert_choice"
             warnings.showwarning = show
             result = train(
-                args.config,
-                resume=args.resume,
-                overwrite=args.overwrite,
-                stop_at_step=args.stop_at_step,
-                progress=not args.no_progress,
+                settings.training,
+                resume=settings.resume,
+                overwrite=settings.overwrite,
+                stop_at_step=settings.stop_at_step,
+                progress=settings.progress,
             )
     except RunDirectoryNotEmptyError as exc:
         print(f"moee train: error: {exc}", file=sys.stderr)
