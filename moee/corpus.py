@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from moee.embed.config import EmbeddingConfig, check_config_fits_model
 from moee.embed.validation import check_texts
 from moee.io import run_metadata, texts_digest, write_embeddings
 
-__all__ = ["make_encoder", "run_facts", "save_corpus"]
+if TYPE_CHECKING:
+    from moee.embed.settings import FitReferenceSettings
+
+__all__ = ["FittedReference", "make_encoder", "run_facts", "run_fit_reference", "save_corpus"]
 
 
 def save_corpus(
@@ -69,3 +72,43 @@ def make_encoder(
     if not isinstance(config, EmbeddingConfig):
         config = EmbeddingConfig.from_dict(config)
     return partial(embedder.encode, config=config, batch_size=batch_size, show_progress_bar=False)
+
+
+class FittedReference(NamedTuple):
+    """What ``moee fit-reference`` wrote: the statistics (``path``, beside it its ``.json``), the
+    number of texts fitted on, and the model's configuration file it now belongs to (``--save-to-model``)."""
+
+    path: Path
+    n_texts: int
+    model_config: Path | None
+
+
+def run_fit_reference(settings: FitReferenceSettings) -> FittedReference:
+    """The library side of ``moee fit-reference``: every input checked before the model loads (the
+    outputs writable and, without ``overwrite``, not an existing reference; the corpus read, at
+    least two texts), the layer choice right after; the pair is written while this run holds the
+    output's lock, and with ``save_to_model`` the model folder's configuration records it."""
+    from moee.embed.embedder import MoEEmbedder
+    from moee.embed.reference import check_reference_size, reference_paths
+    from moee.io import check_output_path, output_lock, read_texts
+
+    tensors, sidecar = reference_paths(settings.target)
+    for path in (tensors, sidecar):
+        check_output_path(
+            path, overwrite=settings.overwrite, what="--out", inputs={"--corpus": settings.corpus}
+        )
+    texts = list(read_texts(settings.corpus, field=settings.field))
+    if settings.max_texts is not None:
+        texts = texts[: settings.max_texts]
+    check_reference_size(len(texts))
+    config = settings.config
+    with output_lock(tensors, "--out"):  # held until the pair is committed: one run per reference
+        embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
+        check_config_fits_model(embedder, config)
+        path = embedder.fit_reference(texts, settings.target, config=config, batch_size=settings.batch_size)
+    saved = None
+    if settings.model_folder is not None:
+        from moee.embed.config import save_model_config
+
+        saved = save_model_config(config.replace(reference=str(path)), settings.model_folder)
+    return FittedReference(path, len(texts), saved)

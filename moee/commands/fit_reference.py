@@ -22,18 +22,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from moee.cli_options import add_embedding_arguments, add_loading_arguments, embedding_config, load_from_args
-from moee.embed.validation import check_positive_int
+from moee.embed.settings import FIT_REFERENCE_NOT_FLAGS as NOT_FLAGS
+from moee.embed.settings import MODEL_REFERENCE, FitReferenceSettings
 
-#: Configuration fields without a flag here: they do not change the features a reference fits.
-NOT_FLAGS = {
-    "method": "the statistics are of HS and RW, before any method combines them",
-    "alpha": "the statistics are of HS and RW, before any method combines them",
-    "normalize": "the statistics are of HS and RW, before any method combines them",
-    "reference": "fit-reference writes a reference (--out)",
-}
+__all__ = ["MODEL_REFERENCE", "NOT_FLAGS", "register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,82 +36,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("corpus", help="texts: .txt (one per line), .jsonl or .parquet (see --field)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", help="output path; OUT.safetensors and OUT.json are written")
-    where.add_argument(
-        "--save-to-model",
-        metavar="DIR",
-        help="fit on the model folder DIR (the model, unless --model names the same folder) and make the "
-        "statistics part of its configuration: DIR/reference.{safetensors,json}, and DIR/moee_embedding.json "
-        "records the configuration fitted under (the model's own, changed by any flag given) with them",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace an existing reference (else it is an error)"
-    )
-    p.add_argument("--field", default=None, help="JSON key / parquet column holding the text (default: text)")
-    p.add_argument(
-        "--max-texts", type=int, default=None, help="use only the first N texts of the corpus (deterministic)"
-    )
-    add_loading_arguments(p)
-    add_embedding_arguments(p, exclude=NOT_FLAGS)
-    p.add_argument("--batch-size", type=int, default=32)
+    from moee.cli_options import add_field_arguments
+
+    add_field_arguments(p, FitReferenceSettings, explicit=False)  # one flag per field
     p.set_defaults(func=run)
 
 
-#: The file stem of the statistics ``--save-to-model`` writes into a model folder.
-MODEL_REFERENCE = "reference"
-
-
-def _model_folder(args: argparse.Namespace) -> Path:
-    """The folder ``--save-to-model`` names, checked to be a local model folder and the model fitted."""
-    folder = Path(args.save_to_model).expanduser().resolve()
-    if not (folder / "config.json").is_file():
-        raise SystemExit(
-            f"moee fit-reference: --save-to-model {args.save_to_model} is not a local model folder "
-            "(it has no config.json); save the model there first (MoEEmbedder.save_pretrained)"
-        )
-    if args.model is None:
-        args.model = str(folder)
-    elif Path(args.model).expanduser().resolve() != folder:
-        raise SystemExit(
-            f"moee fit-reference: --save-to-model {args.save_to_model} and --model {args.model} differ; "
-            "the statistics belong to the model they are fitted on (leave --model out)"
-        )
-    return folder
-
-
 def run(args: argparse.Namespace) -> int:
-    from moee.embed.config import check_config_fits_model
-    from moee.embed.reference import check_reference_size, reference_paths
-    from moee.io import check_output_path, output_lock, read_texts
+    from moee.cli_options import settings_of
+    from moee.corpus import run_fit_reference
 
-    batch_size = check_positive_int("--batch-size", args.batch_size)
-    model_dir = _model_folder(args) if args.save_to_model is not None else None
-    config = embedding_config(args, reference=None)
-    max_texts = check_positive_int("--max-texts", args.max_texts) if args.max_texts is not None else None
-    out = args.out if model_dir is None else model_dir / MODEL_REFERENCE
-    tensors, sidecar = reference_paths(out)
-    for path in (tensors, sidecar):
-        check_output_path(path, overwrite=args.overwrite, what="--out", inputs={"--corpus": args.corpus})
-    texts = list(read_texts(args.corpus, field=args.field))
-    if max_texts is not None:
-        texts = texts[:max_texts]
-    check_reference_size(len(texts))
-    with output_lock(tensors, "--out"):  # held until the pair is committed: one run per reference
-        embedder = load_from_args(args)
-        check_config_fits_model(embedder, config)
-        path = embedder.fit_reference(texts, out, config=config, batch_size=batch_size)
+    settings = settings_of(FitReferenceSettings, args)  # every flag checked here, before any work
+    fitted = run_fit_reference(settings)
+    path = fitted.path
     print(
-        f"moee fit-reference: {len(texts)} texts -> {path} (+ {path.with_suffix('.json').name})",
+        f"moee fit-reference: {fitted.n_texts} texts -> {path} (+ {path.with_suffix('.json').name})",
         file=sys.stderr,
     )
-    if model_dir is not None:
-        from moee.embed.config import save_model_config
-
-        saved = save_model_config(config.replace(reference=str(path)), model_dir)
+    if fitted.model_config is not None:
         print(
-            f"moee fit-reference: {saved} now standardises {config.label} with it "
+            f"moee fit-reference: {fitted.model_config} now standardises {settings.config.label} with it "
             "(a flag that changes the pooling, prompt, score, recipe or HS layer leaves vectors unstandardised)",
             file=sys.stderr,
         )
