@@ -412,3 +412,48 @@ def test_page_assets_ship_with_the_package():
     config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "analysis/specialization/page_assets/*" in config["tool"]["setuptools"]["package-data"]["moee"]
     assert any(dep.startswith("playwright") for dep in config["project"]["optional-dependencies"]["dev"])
+
+
+def _byte_level_bpe():
+    """A byte-level BPE (the GPT-2 / Llama-3 / SmolLM2 kind) trained here on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the national executive of the strike met", "naïve café über straße", "executive orders"] * 20
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "byte_level_bpe"])
+def test_the_token_view_shows_word_boundaries_as_the_tokenizer_marks_them(kind):
+    """Token by token, the view reads as the text: WordPiece words are not glued together
+    ("thenationalexecutive"), and byte-level BPE shows no half characters (an emoji is 4 byte
+    tokens here) nor its markers."""
+    from transformers import AutoTokenizer
+
+    from moee.analysis.specialization.report import _decoder
+    from moee.analysis.specialization.sections.token_view import surface_pieces
+    from moee.models.bundled import bundled
+
+    if kind == "wordpiece":
+        tokenizer, text = (
+            AutoTokenizer.from_pretrained(bundled("minilm-moe").config_dir),
+            "the national executive met",
+        )
+    else:
+        tokenizer, text = _byte_level_bpe(), "the national executive met \U0001f642 naïve"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decode = _decoder(tokenizer)
+    pieces = surface_pieces(decode, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == decode(ids) == text
+    assert sum(p.startswith(" ") for p in pieces) == text.count(" "), (
+        pieces
+    )  # each word starts with its space
+    assert not any("Ġ" in p or "##" in p or "\ufffd" in p for p in pieces), pieces
+    alone = "".join(decode([i]) for i in ids)  # one token at a time: glued words or broken bytes
+    assert alone != text

@@ -17,11 +17,32 @@ import numpy as np
 from moee.analysis.specialization.markup import TOKEN_VIEW_MAX_VALUES, Page
 from moee.analysis.specialization.sections.base import Section
 
-__all__ = ["SECTION", "TokenView", "token_view_payload"]
+__all__ = ["SECTION", "TokenView", "surface_pieces", "token_view_payload"]
 
 #: Probabilities are embedded as integers ``round(p * scale)``: the bar chart and the top-k
 #: labels need three decimals, and integers are a third the size of float text.
 _TOKEN_VIEW_SCALE = 1000
+
+
+def surface_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> list[str]:
+    """Each token as it reads in its text, word boundaries included: piece ``i`` is what decoding
+    ``ids[: i + 1]`` adds to decoding ``ids[:i]``. Decoding tokens one by one glues WordPiece
+    words together ("thenationalexecutive") and shows a byte-level BPE's markers; the running
+    decode gives "the national executive" with every tokenizer. A token that ends inside a
+    multi-byte character adds nothing; the token that completes it carries the character.
+    Quadratic in the text's length, which the token view caps."""
+    pieces, before = [], ""
+    for i in range(len(ids)):
+        text = decode(ids[: i + 1])
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the rest of its bytes
+            pieces.append("")
+            continue
+        if text.startswith(before):
+            pieces.append(text[len(before) :])
+        else:  # the decoder rewrote what came before (rare cleanup rules): fall back to the token alone
+            pieces.append(decode(ids[i : i + 1]))
+        before = text
+    return pieces
 
 
 class TokenView:
@@ -57,7 +78,7 @@ class TokenView:
                 {
                     "text_index": index,
                     "domain": r["domain"],
-                    "tokens": [decode([int(i)]) for i in r["ids"][:T]],
+                    "tokens": surface_pieces(decode, [int(i) for i in r["ids"][:T]]),
                     "token_ids": [int(i) for i in r["ids"][:T]],
                     "predicted": None
                     if r["predicted"] is None
