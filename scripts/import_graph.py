@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moee.serving",
             "moee.benchmarking",
             "moee.embed_corpus",
+            "moee.search",
         ),
     ),
     ("commands", ("moee.cli_options", "moee.commands")),

@@ -28,6 +28,7 @@ CONVERTED = {
     "routes": ("moee.commands.routes", "RoutesSettings", ["--corpus", "c.txt", "--out", "o.parquet"]),
     "embed": ("moee.commands.embed", "EmbedSettings", ["in.txt", "--out", "e.npy"]),
     "fit-reference": ("moee.commands.fit_reference", "FitReferenceSettings", ["c.txt", "--out", "r"]),
+    "search": ("moee.commands.search", "SearchSettings", ["--embeddings", "e.npy", "--query", "q"]),
     "upcycle": (
         "moee.commands.upcycle",
         "UpcycleSettings",
@@ -43,7 +44,6 @@ CONVERTED = {
 NOT_CONVERTED = (
     "evaluate",
     "quickstart",
-    "search",
     "serve",
 )
 
@@ -135,6 +135,9 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("embed", ["--merge", "d"], "--merge DIR takes no INPUT and no --sharded"),
         ("fit-reference", ["--max-texts", "0"], "--max-texts must be >= 1, got 0"),
         ("fit-reference", ["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+        ("search", ["-k", "0"], "-k must be >= 1, got 0"),
+        ("search", ["--nlist", "0"], "--nlist must be >= 1, got 0"),
+        ("search", ["--model", "m", "--server", "http://x"], "--model and --server exclude each other"),
         ("upcycle", ["--router-std", "nan"], "--router-std must be a finite number >= 0, got nan"),
         ("upcycle", ["--top-k", "5"], "--top-k must be an int in [1, --experts=4], got 5"),
         ("upcycle", ["--min-count", "2"], "--min-count applies to --trim-vocab only"),
