@@ -29,6 +29,7 @@ CONVERTED = {
     "embed": ("moee.commands.embed", "EmbedSettings", ["in.txt", "--out", "e.npy"]),
     "fit-reference": ("moee.commands.fit_reference", "FitReferenceSettings", ["c.txt", "--out", "r"]),
     "search": ("moee.commands.search", "SearchSettings", ["--embeddings", "e.npy", "--query", "q"]),
+    "serve": ("moee.commands.serve", "ServeSettings", []),
     "upcycle": (
         "moee.commands.upcycle",
         "UpcycleSettings",
@@ -38,13 +39,11 @@ CONVERTED = {
     "train": ("moee.commands.train", "TrainSettings", ["--config", TRAIN_CONFIG]),
 }
 #: Commands whose flags are not (all) settings fields yet: convert one, then move it to CONVERTED.
-#: serve's limits are ``ServerSettings`` fields; its --host, --port, --log-level and loading flags
-#: are not yet. The embedding commands' configuration flags are ``EmbeddingConfig`` fields already;
-#: their other options (embed's engine options, evaluate's) are not.
+#: The embedding commands' configuration flags are ``EmbeddingConfig`` fields already; evaluate's
+#: other options and quickstart's are not.
 NOT_CONVERTED = (
     "evaluate",
     "quickstart",
-    "serve",
 )
 
 
@@ -138,6 +137,9 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("search", ["-k", "0"], "-k must be >= 1, got 0"),
         ("search", ["--nlist", "0"], "--nlist must be >= 1, got 0"),
         ("search", ["--model", "m", "--server", "http://x"], "--model and --server exclude each other"),
+        ("serve", ["--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
+        ("serve", ["--max-batch-tokens", "0"], "max_batch_tokens (--max-batch-tokens) must be a positive"),
+        ("serve", ["--batch-wait-ms", "nan"], "batch_wait_ms (--batch-wait-ms) must be a finite number"),
         ("upcycle", ["--router-std", "nan"], "--router-std must be a finite number >= 0, got nan"),
         ("upcycle", ["--top-k", "5"], "--top-k must be an int in [1, --experts=4], got 5"),
         ("upcycle", ["--min-count", "2"], "--min-count applies to --trim-vocab only"),

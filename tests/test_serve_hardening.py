@@ -402,18 +402,25 @@ def test_no_response_carries_a_local_path(embedder, tmp_path) -> None:
 
 
 def test_binding_beyond_loopback_without_a_key_is_warned_about(monkeypatch) -> None:
+    from dataclasses import replace
+
     from moee.cli import build_parser
-    from moee.commands.serve import exposure_warning, settings_from_args
+    from moee.cli_options import settings_of
+    from moee.serving.settings import ServeSettings
 
     parser = build_parser()
+
+    def settings(*argv: str) -> ServeSettings:
+        return settings_of(ServeSettings, parser.parse_args(["serve", *argv]))
+
     monkeypatch.delenv("MOEE_API_KEY", raising=False)
-    open_settings = settings_from_args(parser.parse_args(["serve", "--enable-routing"]))
-    warning = exposure_warning("0.0.0.0", open_settings)
+    open_settings = settings("--enable-routing", "--host", "0.0.0.0")
+    warning = open_settings.exposure_warning()
     assert warning and "MOEE_API_KEY" in warning and "127.0.0.1" in warning and "routes" in warning
     for host in ("127.0.0.1", "::1", "localhost"):
-        assert exposure_warning(host, open_settings) is None
+        assert replace(open_settings, host=host).exposure_warning() is None
     monkeypatch.setenv("MOEE_API_KEY", "from-env")
-    keyed = settings_from_args(parser.parse_args(["serve", "--max-chars-per-input", "10"]))
-    assert keyed.api_key == "from-env" and keyed.max_chars_per_input == 10
-    assert exposure_warning("0.0.0.0", keyed) is None
+    keyed = settings("--max-chars-per-input", "10", "--host", "0.0.0.0")
+    assert keyed.server.api_key == "from-env" and keyed.server.max_chars_per_input == 10
+    assert keyed.exposure_warning() is None
     assert "from-env" not in repr(keyed)

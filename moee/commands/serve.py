@@ -15,16 +15,10 @@ SIGTERM (or Ctrl-C) drains: in-flight requests finish, then the process exits 0.
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import os
-import signal
-import sys
-from dataclasses import fields
 
-from moee.cli_options import add_field_arguments, add_loading_arguments, load_from_args
-from moee.serving.settings import API_KEY_ENV, ServerSettings
+from moee.serving.settings import ServeSettings
 
-__all__ = ["register", "run", "exposure_warning", "settings_from_args"]
+__all__ = ["register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,58 +28,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_loading_arguments(p)
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default: 127.0.0.1, this machine only; another address without "
-        "an API key is warned about)",
-    )
-    p.add_argument("--port", type=int, default=8080)
-    add_field_arguments(p, ServerSettings, explicit=False)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    from moee.cli_options import add_field_arguments
+
+    add_field_arguments(p, ServeSettings, explicit=False)  # one flag per field
     p.set_defaults(func=run)
 
 
-def exposure_warning(host: str, settings: ServerSettings) -> str | None:
-    """What to warn about when ``host`` lets other machines in without an API key, else ``None``."""
-    if settings.api_key is not None or host == "localhost":
-        return None
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:  # a host name: it may resolve to anything
-        pass
-    routing = " and read token routes (which reveal the texts)" if settings.enable_routing else ""
-    return (
-        f"serving on {host} without an API key: anyone who can reach this port can embed{routing}; "
-        f"set {API_KEY_ENV} (or --api-key), or bind --host 127.0.0.1"
-    )
-
-
-def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """The :class:`ServerSettings` of the flags; the API key from ``--api-key``, else from the
-    ``MOEE_API_KEY`` environment variable."""
-    values = {f.name: getattr(args, f.name) for f in fields(ServerSettings)}
-    if values["api_key"] is None:
-        values["api_key"] = os.environ.get(API_KEY_ENV) or None
-    return ServerSettings(**values)
-
-
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    from moee.cli_options import settings_of
+    from moee.serving.app import serve
 
-    from moee.serving.app import create_app, uvicorn_config
-
-    settings = settings_from_args(args)  # checked before the model loads
-    warning = exposure_warning(args.host, settings)
-    if warning:
-        print(f"moee serve: warning: {warning}", file=sys.stderr)
-    embedder = load_from_args(args)
-    app = create_app(embedder, settings)
-    # uvicorn drains on SIGTERM, then re-raises the signal it caught; a no-op handler makes that
-    # re-raise a clean exit 0 (a SIGTERM while the model loads still ends the process at once)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level)
-    uvicorn.Server(config).run()
+    serve(settings_of(ServeSettings, args))  # every flag checked here, before the model loads
     return 0

@@ -37,9 +37,10 @@ import functools
 import hmac
 import json
 import logging
+import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +69,13 @@ from moee.serving.protocol import (
     parse_json,
     parse_routing_request,
 )
-from moee.serving.settings import API_KEY_ENV, ServerSettings, flag_of
+from moee.serving.settings import API_KEY_ENV, ServerSettings, ServeSettings, flag_of
 
 __all__ = [
     "ServerSettings",
     "EmbeddingService",
     "create_app",
+    "serve",
     "serve_in_thread",
     "served_model_name",
     "uvicorn_config",
@@ -822,6 +824,32 @@ def _bounded_protocol(settings: ServerSettings) -> type:
             self.transport.close()
 
     return BoundedH11Protocol
+
+
+def serve(settings: ServeSettings, *, log: Callable[[str], None] | None = None) -> None:
+    """The library side of ``moee serve``: warn (``log``, else stderr) when the host lets other
+    machines in without a key, load the model, and serve until SIGTERM or Ctrl-C, which drain:
+    in-flight requests finish, then this returns."""
+    import signal
+
+    import uvicorn
+
+    from moee.embed.embedder import MoEEmbedder
+
+    warning = settings.exposure_warning()
+    if warning:
+        (log or _stderr)(f"moee serve: warning: {warning}")
+    embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
+    app = create_app(embedder, settings.server)
+    # uvicorn drains on SIGTERM, then re-raises the signal it caught; a no-op handler makes that
+    # re-raise a clean exit 0 (a SIGTERM while the model loads still ends the process at once)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    config = uvicorn_config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.Server(config).run()
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 @contextlib.contextmanager

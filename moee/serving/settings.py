@@ -1,14 +1,21 @@
-"""The settings of ``moee serve``: one :class:`ServerSettings` field per flag (``moee.cli_options``
-builds the flags from the fields' metadata), so the library and the command line share one list
-of names, defaults and help texts. Standard library only: the command line's parser imports it
-without the ``serve`` extra."""
+"""The settings of ``moee serve``: :class:`ServeSettings` (the model, how to load it, where to
+listen, the log level, and the :class:`ServerSettings` the app enforces: limits, access,
+connection timeouts), one field per flag (``moee.cli_options`` builds the flags from the fields'
+metadata), so the library and the command line share one list of names, defaults and help texts;
+each value is checked once when built, naming the flag. Standard library and the loading options
+only: the command line's parser imports it without the ``serve`` extra."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["API_KEY_ENV", "ServerSettings", "flag_of"]
+from moee.loading import LoadOptions
+from moee.models.bundled import model_field
+
+__all__ = ["API_KEY_ENV", "LOG_LEVELS", "ServeSettings", "ServerSettings", "exposure_warning", "flag_of"]
 
 #: The environment variable ``moee serve`` reads the API key from when ``--api-key`` is not given
 #: (an environment variable does not show in the process list, a command-line argument does).
@@ -142,3 +149,57 @@ class ServerSettings:
             raise ValueError(
                 f"api_key (--api-key / ${API_KEY_ENV}) must be a non-empty string; leave it unset for no key"
             )
+
+
+#: ``--log-level`` choices (uvicorn's).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """What ``moee serve`` runs (``moee.serving.app.serve``): ``model`` loaded with ``load``,
+    served on ``host``:``port`` under ``server``'s limits. The API key is ``--api-key``, else the
+    :data:`API_KEY_ENV` environment variable (read when the settings are built)."""
+
+    model: str | None = model_field()
+    load: LoadOptions = field(default_factory=LoadOptions, metadata={"embed": LoadOptions})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "address to listen on",
+            "default_text": "127.0.0.1, this machine only; another address without an API key is warned about",
+        },
+    )
+    port: int = field(default=8080, metadata={"help": "port to listen on (0: any free port)", "type": int})
+    server: ServerSettings = field(default_factory=ServerSettings, metadata={"embed": ServerSettings})
+    log_level: str = field(default="info", metadata={"help": "uvicorn's log level", "choices": LOG_LEVELS})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ValueError(f"--host must be an address or a host name, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be an integer in [0, 65535], got {self.port!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.server.api_key is None and os.environ.get(API_KEY_ENV):
+            object.__setattr__(self, "server", replace(self.server, api_key=os.environ[API_KEY_ENV]))
+
+    def exposure_warning(self) -> str | None:
+        """:func:`exposure_warning` of these settings."""
+        return exposure_warning(self.host, self.server)
+
+
+def exposure_warning(host: str, settings: ServerSettings) -> str | None:
+    """What to warn about when ``host`` lets other machines in without an API key, else ``None``."""
+    if settings.api_key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to anything
+        pass
+    routing = " and read token routes (which reveal the texts)" if settings.enable_routing else ""
+    return (
+        f"serving on {host} without an API key: anyone who can reach this port can embed{routing}; "
+        f"set {API_KEY_ENV} (or --api-key), or bind --host 127.0.0.1"
+    )
