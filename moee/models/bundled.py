@@ -63,7 +63,7 @@ BUNDLED: dict[str, BundledModel] = {
         BundledModel(
             "minilm-moe",
             "24M-parameter MoE upcycled from all-MiniLM-L6-v2 and pretrained further on CPU "
-            "(8 layers x 8 experts, top-2): small and fast, for tests and quick tries",
+            "(8 layers x 32 experts, top-4, a shared expert): small and fast, for tests and quick tries",
             _ASSETS / "default-model",
         ),
         BundledModel(
