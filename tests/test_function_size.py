@@ -54,8 +54,6 @@ EXCEPTIONS: dict[str, str] = {
     "moee.serving.app:_bounded_protocol": "not yet split (81 lines)",
     "moee.evaluation.adapter:MoEEMTEBEncoder.__init__": "not yet split (17 parameters)",
     # Split next (areas of this package with work under way).
-    "moee.moe.trainer:train": "not yet split (260 lines)",
-    "moee.moe.upcycle:upcycle": "not yet split (124 lines)",
     "moee.analysis.specialization.run:run_report": "not yet split (130 lines)",
     "moee.analysis.expert_importance:expert_importance": "not yet split (117 lines, 11 parameters)",
     "moee.analysis.specialization.sections.steering:_render": "not yet split (109 lines)",

@@ -789,6 +789,15 @@ def _calibration_step(cfg: TrainingConfig) -> int:
     return max(1, min(20, cfg.schedule.warmup_steps))
 
 
+def _calibrate_at(cfg: TrainingConfig, resumed_step: int | None) -> int | None:
+    """The step at which `time_budget_minutes` fixes max_steps: None without a budget, or when the
+    resumed run had already resolved it."""
+    if not cfg.schedule.time_budget_minutes:
+        return None
+    at = _calibration_step(cfg)
+    return None if resumed_step is not None and resumed_step >= at else at
+
+
 def _run_artifacts(out_dir: Path) -> list[Path]:
     """What a training run leaves in its directory: checkpoints (complete or not) and the log."""
     log = out_dir / "log.jsonl"
@@ -800,43 +809,20 @@ def _last_good(out_dir: Path) -> str:
     return f"last good checkpoint: {ckpt}" if ckpt else "no checkpoint was saved yet"
 
 
-def train(
-    config: str | os.PathLike | Mapping[str, Any] | TrainingConfig,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    stop_at_step: int | None = None,
-    progress: bool = True,
-) -> TrainResult:
-    """Run (or resume) training as described by `config`; return the final step and checkpoint.
-
-    A fresh run needs a `checkpoint.dir` without another run's checkpoints or log, or
-    `overwrite=True`, which deletes them (once the data and model are set up; nothing else there),
-    and one that is not an input (``init.from``, ``data.*``), holds none and lies inside none:
-    ``init.from: RUN/step_N`` with ``checkpoint.dir: RUN`` would delete the start. `resume=True`
-    continues the newest checkpoint after `resume_plan` accepted the config.
-    `stop_at_step` ends the run after that step with a checkpoint, as if interrupted (used to
-    test exact resume); the schedule still follows `schedule.max_steps`.
-    """
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
-    cfg = TrainingConfig.load(config)  # read and checked once
-    check_inputs(cfg)
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
-    data, optim_cfg, sched, ev, ck = cfg.data, cfg.optim, cfg.schedule, cfg.eval, cfg.checkpoint
+def _open_run(
+    cfg: TrainingConfig, resume: bool, overwrite: bool
+) -> tuple[Path | None, dict | None, list[Path]]:
+    """Check ``checkpoint.dir`` before any data is read: on resume the newest checkpoint and its
+    state, on a fresh run the previous run's files an overwrite replaces (refused without it)."""
     if resume and overwrite:
         raise ValueError(
             "resume and overwrite exclude each other: resume continues the run, overwrite replaces it"
         )
-    out_dir = Path(ck.dir)
-    log_path = out_dir / "log.jsonl"
-    ckpt = state = None
-    existing: list[Path] = []
+    out_dir = Path(cfg.checkpoint.dir)
     if not resume:  # a fresh run (--overwrite above all) must never delete or shadow its inputs
         from moee.io import check_not_an_input
 
+        data = cfg.data
         sources = ("init.from", "data.train", "data.heldout", "data.tokenizer")
         values = (cfg.init.from_, data.train, data.heldout, data.tokenizer)
         check_not_an_input(out_dir, dict(zip(sources, values)), what="checkpoint.dir")
@@ -854,36 +840,34 @@ def train(
                 f"{exc}; earlier checkpoints in {out_dir}: {', '.join(older)} (move {ckpt.name} away to "
                 f"resume from {older[-1]})"
             ) from exc
-    else:
-        existing = _run_artifacts(out_dir)
-        if existing and not overwrite:
-            raise RunDirectoryNotEmptyError(
-                f"{out_dir} already holds a training run ({', '.join(p.name for p in existing[-3:])}); "
-                "continue it with --resume, train into another checkpoint.dir, or replace it with "
-                "--overwrite (deletes its checkpoints and log.jsonl)"
-            )
-
-    tokenizer = AutoTokenizer.from_pretrained(data.tokenizer)
-    train_file = tokenize_to_file(data.train, tokenizer, data.cache_dir)
-    train_tokens = load_tokens(train_file)
-    inputs = input_digests(data, tokenizer, train_file)
-    max_steps = sched.max_steps
-    accepted: list[str] = []
-    if resume:
-        max_steps, accepted = resume_plan(state, cfg, inputs, ckpt)
-    sampler = WindowSampler(train_tokens, data.seq_len, cfg.seed)
-    heldout = None
-    if data.heldout:
-        heldout = eval_windows(
-            load_tokens(tokenize_to_file(data.heldout, tokenizer, data.cache_dir)),
-            data.seq_len,
-            ev.max_windows,
+        return ckpt, state, []
+    existing = _run_artifacts(out_dir)
+    if existing and not overwrite:
+        raise RunDirectoryNotEmptyError(
+            f"{out_dir} already holds a training run ({', '.join(p.name for p in existing[-3:])}); "
+            "continue it with --resume, train into another checkpoint.dir, or replace it with "
+            "--overwrite (deletes its checkpoints and log.jsonl)"
         )
+    return None, None, existing
 
-    model = _build_model(cfg, tokenizer)
-    model.train()
-    ceiling = load_ceiling(model)
-    router_type = getattr(model.config, "router_type", None)
+
+def _heldout_windows(cfg: TrainingConfig, tokenizer: Any) -> torch.Tensor | None:
+    """The held-out evaluation windows, or None when the config names no held-out file."""
+    data = cfg.data
+    if not data.heldout:
+        return None
+    return eval_windows(
+        load_tokens(tokenize_to_file(data.heldout, tokenizer, data.cache_dir)),
+        data.seq_len,
+        cfg.eval.max_windows,
+    )
+
+
+def _make_optimizer(model: torch.nn.Module, optim_cfg: Any) -> torch.optim.AdamW:
+    """AdamW over groups (router or not, decayed or not), freezing what ``optim.trainable`` leaves out.
+
+    Each group carries its ``lr_scale``: the router's is ``optim.router_lr_scale``.
+    """
     # Adam moves every router weight by ~lr per step whatever its gradient scale, which can make
     # all tokens pick the same experts faster than balancing reacts; router_lr_scale slows it.
     groups: dict[tuple[bool, bool], list] = {}
@@ -911,159 +895,276 @@ def train(
         }
         for (is_router, decays), params in sorted(groups.items())
     ]
-    optimizer = torch.optim.AdamW(
+    return torch.optim.AdamW(
         param_groups,
         lr=optim_cfg.lr,
         betas=optim_cfg.betas,
         eps=optim_cfg.eps,
     )
 
-    step = 0
-    position = 0
-    budget = sched.time_budget_minutes
-    calibrate_at = _calibration_step(cfg) if budget else None
-    if resume:
-        state = load_checkpoint(ckpt, model, optimizer, state)
-        step, position = state["step"], state["data_position"]
-        if budget and step >= (calibrate_at or 0):
-            calibrate_at = None  # already resolved by the interrupted run
-        previous = _truncate_log(log_path, step)
-        _append_log(log_path, {"kind": "resume", "step": step, "checkpoint": ckpt.name, "accepted": accepted})
+
+def _clear_previous_run(existing: list[Path], out_dir: Path) -> None:
+    """Delete the previous run's checkpoints and log (only with overwrite=True, checked by `_open_run`)."""
+    for old in existing:
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _train_record(
+    step: int, lr: float, out: Any, grad_norm: torch.Tensor, tokens_per_s: float, position: int
+) -> dict:
+    """The log record of one training step, with the noise-free decision's load (the statistic
+    evaluation reports, per batch here)."""
+    balance = [noise_free_balance(a) for a in out.moe_aux]
+    cv = [b[1] for b in balance]
+    mm = [b[2] for b in balance]
+    dead = [int((b[0] == 0).sum()) for b in balance]
+    lm = out.lm_loss.item()
+    return {
+        "kind": "train",
+        "step": step,
+        "lr": lr,
+        "loss": out.loss.item(),
+        "lm_loss": lm,
+        "aux_loss": out.aux_loss.item(),
+        "ppl": math.exp(min(lm, 50.0)),
+        "grad_norm": float(grad_norm),
+        "cv_load_mean": sum(cv) / max(1, len(cv)),
+        "max_over_mean_load_max": max(mm, default=0.0),
+        "dead_experts": sum(dead),
+        "tokens_per_s": tokens_per_s,
+        "data_position": position,
+    }
+
+
+@dataclass
+class _Run:
+    """What a training run holds fixed while it steps: config, model, optimizer, data, outputs."""
+
+    cfg: TrainingConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: WindowSampler
+    heldout: torch.Tensor | None
+    inputs: dict
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.cfg.checkpoint.dir)
+        self.log_path = self.out_dir / "log.jsonl"
+        self.ceiling = load_ceiling(self.model)
+        self.router_type = getattr(self.model.config, "router_type", None)
+        self.saved_config = self.cfg.to_dict()  # what every checkpoint records (resume_plan compares with it)
+
+    def resume_from(self, ckpt: Path, state: dict, accepted: list[str]) -> tuple[dict, list[dict]]:
+        """Load the checkpoint into the model and optimizer, cut the log back to its step and log
+        the resume; return the checkpoint's state and the log records kept."""
+        state = load_checkpoint(ckpt, self.model, self.optimizer, state)
+        step = state["step"]
+        previous = _truncate_log(self.log_path, step)
+        _append_log(
+            self.log_path, {"kind": "resume", "step": step, "checkpoint": ckpt.name, "accepted": accepted}
+        )
         if accepted:
             warnings.warn(
                 f"--resume from {ckpt}: accepted config change(s): {'; '.join(accepted)}",
                 TrainerWarning,
-                stacklevel=2,
+                stacklevel=3,  # train()'s caller, as when this was inline
             )
+        return state, previous
+
+    def resumed_eval(self, previous: list[dict], step: int, state: dict) -> dict | None:
+        """The held-out evaluation of the resumed step: the logged one, or run now when the
+        interrupted run stopped between the checkpoint and the evaluation that follows it."""
+        evals = [r for r in previous if r.get("kind") == "eval" and r["step"] == step]
+        if evals:
+            return {k: v for k, v in evals[-1].items() if k not in ("kind", "step")}
+        if self.heldout is not None and state.get("eval_due", step % self.cfg.eval.every == 0):
+            # the run stopped between this checkpoint and the evaluation that follows it: run
+            # that evaluation now, so the held-out history keeps every step
+            return self.evaluate(step, None)
+        return None
+
+    def evaluate(self, step: int, bar: Any) -> dict:
+        """Evaluate on the held-out windows and log it (`_log_eval`)."""
+        result = evaluate(self.model, self.heldout, self.cfg.eval.batch_size)
+        return _log_eval(self.log_path, step, result, bar, self.ceiling, self.router_type)
+
+    def step(self, step: int, position: int, mult: float) -> tuple[Any, torch.Tensor]:
+        """One optimizer step on the batch at ``position``; a NaN/inf loss, gradient norm or weight
+        stops the run before the step is applied or saved. Returns the output and gradient norm."""
+        optim_cfg = self.cfg.optim
+        for group in self.optimizer.param_groups:
+            group["lr"] = optim_cfg.lr * mult * group["lr_scale"]
+        batch = self.sampler.batch(position, optim_cfg.batch_size)
+        out = self.model(input_ids=batch, labels=batch)
+        loss = out.loss
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"non-finite training loss ({loss.item()}) at step {step + 1}; stopping ({_last_good(self.out_dir)})"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim_cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteGradientError(
+                f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1} with a finite loss "
+                f"({loss.item():.6g}); the update was not applied ({_last_good(self.out_dir)})"
+            )
+        self.optimizer.step()
+        bad = next((n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:
+            raise NonFiniteTrainingError(
+                f"the update at step {step + 1} made {bad} NaN or infinite (finite loss and gradient; lr too "
+                f"high?); it is not saved ({_last_good(self.out_dir)})"
+            )
+        return out, grad_norm
+
+    def save(self, step: int, position: int, max_steps: int, eval_due: bool) -> Path:
+        """Checkpoint ``step``; a non-finite weight names the last good checkpoint."""
+        try:
+            return save_checkpoint(
+                self.out_dir,
+                step=step,
+                model=self.model,
+                optimizer=self.optimizer,
+                data_position=position,
+                config=self.saved_config,
+                # whether a held-out evaluation follows this checkpoint: a resume from it runs
+                # that evaluation when the log does not hold it (a stop between the two)
+                extra={"max_steps": max_steps, "inputs": self.inputs, "eval_due": eval_due},
+                keep=self.cfg.checkpoint.keep,
+            )
+        except NonFiniteCheckpointError as exc:
+            raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(self.out_dir)})") from exc
+
+    def fit_budget(self, step: int, steps_run: int, t_start: float, max_steps: int, bar: Any) -> int:
+        """``max_steps`` fitted to ``schedule.time_budget_minutes`` from the seconds per step so far."""
+        budget = self.cfg.schedule.time_budget_minutes
+        per_step = (time.time() - t_start) / max(1, steps_run)
+        fit = step + int((60 * budget - (time.time() - t_start)) * 0.92 / per_step)
+        max_steps = max(step + 1, min(max_steps, fit))
+        bar.total = max_steps
+        bar.write(f"time budget {budget} min at {per_step:.2f} s/step: max_steps = {max_steps}")
+        _append_log(
+            self.log_path, {"kind": "schedule", "step": step, "max_steps": max_steps, "s_per_step": per_step}
+        )
+        return max_steps
+
+
+def _prepare_run(
+    cfg: TrainingConfig, resume: bool, ckpt: Path | None, state: dict | None
+) -> tuple[_Run, int, list[str]]:
+    """Tokenize the data, check a resumed config against its checkpoint (before the model is
+    built), then build the model and optimizer; return the run, max_steps and accepted changes."""
+    from transformers import AutoTokenizer
+
+    data = cfg.data
+    tokenizer = AutoTokenizer.from_pretrained(data.tokenizer)
+    train_file = tokenize_to_file(data.train, tokenizer, data.cache_dir)
+    train_tokens = load_tokens(train_file)
+    inputs = input_digests(data, tokenizer, train_file)
+    max_steps = cfg.schedule.max_steps
+    accepted: list[str] = []
+    if resume:
+        max_steps, accepted = resume_plan(state, cfg, inputs, ckpt)
+    sampler = WindowSampler(train_tokens, data.seq_len, cfg.seed)
+    heldout = _heldout_windows(cfg, tokenizer)
+
+    model = _build_model(cfg, tokenizer)
+    model.train()
+    return _Run(cfg, model, _make_optimizer(model, cfg.optim), sampler, heldout, inputs), max_steps, accepted
+
+
+def _show_step(bar: Any, record: dict, ceiling: float) -> None:
+    """Advance the progress bar with the step's loss and load figures."""
+    bar.update(1)
+    bar.set_postfix(
+        loss=f"{record['lm_loss']:.3f}",
+        ppl=f"{record['ppl']:.1f}",
+        cv_load=f"{record['cv_load_mean']:.2f}",
+        max_mean=f"{record['max_over_mean_load_max']:.2f}/{ceiling:.2f}",
+        dead=record["dead_experts"],
+        tok_s=f"{record['tokens_per_s']:.0f}",
+    )
+
+
+def train(
+    config: str | os.PathLike | Mapping[str, Any] | TrainingConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_at_step: int | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Run (or resume) training as described by `config`; return the final step and checkpoint.
+
+    A fresh run needs a `checkpoint.dir` without another run's checkpoints or log, or
+    `overwrite=True`, which deletes them (once the data and model are set up; nothing else there),
+    and one that is not an input (``init.from``, ``data.*``), holds none and lies inside none:
+    ``init.from: RUN/step_N`` with ``checkpoint.dir: RUN`` would delete the start. `resume=True`
+    continues the newest checkpoint after `resume_plan` accepted the config.
+    `stop_at_step` ends the run after that step with a checkpoint, as if interrupted (used to
+    test exact resume); the schedule still follows `schedule.max_steps`.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = TrainingConfig.load(config)  # read and checked once
+    check_inputs(cfg)
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    sched = cfg.schedule
+    ckpt, state, existing = _open_run(cfg, resume, overwrite)
+    run, max_steps, accepted = _prepare_run(cfg, resume, ckpt, state)
+    heldout = run.heldout
+
+    if resume:
+        state, previous = run.resume_from(ckpt, state, accepted)
+        step, position = state["step"], state["data_position"]
     else:
-        for old in existing:  # only with overwrite=True (checked above)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        out_dir.mkdir(parents=True, exist_ok=True)
+        step = position = 0
+        _clear_previous_run(existing, run.out_dir)
         torch.manual_seed(cfg.seed + 1)  # training-time randomness (gate noise) after the init draw
+    calibrate_at = _calibrate_at(cfg, step if resume else None)
 
     last_stop = max_steps if stop_at_step is None else min(max_steps, stop_at_step)
     start_step = step
-    bs, seq_len = optim_cfg.batch_size, data.seq_len
+    bs, seq_len = cfg.optim.batch_size, cfg.data.seq_len
     deadline = time.time() + 60 * cfg.stop_after_minutes if cfg.stop_after_minutes else None
-    saved_config = cfg.to_dict()  # what every checkpoint records (resume_plan compares with it)
     last_eval = None
     ckpt_path = None
     if resume:  # what the checkpoint reached, in case there is nothing left to train
         ckpt_path = ckpt
-        evals = [r for r in previous if r.get("kind") == "eval" and r["step"] == step]
-        if evals:
-            last_eval = {k: v for k, v in evals[-1].items() if k not in ("kind", "step")}
-        elif heldout is not None and state.get("eval_due", step % ev.every == 0):
-            # the run stopped between this checkpoint and the evaluation that follows it: run
-            # that evaluation now, so the held-out history keeps every step
-            last_eval = _log_eval(
-                log_path, step, evaluate(model, heldout, ev.batch_size), None, ceiling, router_type
-            )
+        last_eval = run.resumed_eval(previous, step, state)
     t_start = time.time()
     tokens_run = 0
     bar = tqdm(total=max_steps, initial=step, disable=not progress, dynamic_ncols=True, desc="train")
     stopped_early = False
     while step < last_stop:
         mult = lr_at(step, max_steps, sched.warmup_steps, sched.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = optim_cfg.lr * mult * group["lr_scale"]
-        batch = sampler.batch(position, bs)
-        out = model(input_ids=batch, labels=batch)
-        loss = out.loss
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"non-finite training loss ({loss.item()}) at step {step + 1}; stopping ({_last_good(out_dir)})"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteGradientError(
-                f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1} with a finite loss "
-                f"({loss.item():.6g}); the update was not applied ({_last_good(out_dir)})"
-            )
-        optimizer.step()
-        bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
-        if bad is not None:
-            raise NonFiniteTrainingError(
-                f"the update at step {step + 1} made {bad} NaN or infinite (finite loss and gradient; lr too "
-                f"high?); it is not saved ({_last_good(out_dir)})"
-            )
+        out, grad_norm = run.step(step, position, mult)
         step += 1
         position += bs
         tokens_run += bs * seq_len
         elapsed = time.time() - t_start
-        # the noise-free decision's load, the statistic evaluation reports (per batch here)
-        balance = [noise_free_balance(a) for a in out.moe_aux]
-        cv = [b[1] for b in balance]
-        mm = [b[2] for b in balance]
-        dead = [int((b[0] == 0).sum()) for b in balance]
-        lm = out.lm_loss.item()
-        record = {
-            "kind": "train",
-            "step": step,
-            "lr": optim_cfg.lr * mult,
-            "loss": loss.item(),
-            "lm_loss": lm,
-            "aux_loss": out.aux_loss.item(),
-            "ppl": math.exp(min(lm, 50.0)),
-            "grad_norm": float(grad_norm),
-            "cv_load_mean": sum(cv) / max(1, len(cv)),
-            "max_over_mean_load_max": max(mm, default=0.0),
-            "dead_experts": sum(dead),
-            "tokens_per_s": tokens_run / max(elapsed, 1e-9),
-            "data_position": position,
-        }
-        _append_log(log_path, record)
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{lm:.3f}",
-            ppl=f"{record['ppl']:.1f}",
-            cv_load=f"{record['cv_load_mean']:.2f}",
-            max_mean=f"{record['max_over_mean_load_max']:.2f}/{ceiling:.2f}",
-            dead=record["dead_experts"],
-            tok_s=f"{record['tokens_per_s']:.0f}",
+        record = _train_record(
+            step, cfg.optim.lr * mult, out, grad_norm, tokens_run / max(elapsed, 1e-9), position
         )
+        _append_log(run.log_path, record)
+        _show_step(bar, record, run.ceiling)
         if calibrate_at is not None and step == calibrate_at:
-            per_step = (time.time() - t_start) / max(1, step - start_step)
-            fit = step + int((60 * budget - (time.time() - t_start)) * 0.92 / per_step)
-            max_steps = max(step + 1, min(max_steps, fit))
+            max_steps = run.fit_budget(step, step - start_step, t_start, max_steps, bar)
             last_stop = max_steps if stop_at_step is None else min(max_steps, stop_at_step)
-            bar.total = max_steps
-            bar.write(f"time budget {budget} min at {per_step:.2f} s/step: max_steps = {max_steps}")
-            _append_log(
-                log_path, {"kind": "schedule", "step": step, "max_steps": max_steps, "s_per_step": per_step}
-            )
             calibrate_at = None
         timed_out = deadline is not None and time.time() > deadline
         done = step == last_stop or timed_out
-        if step % ck.every == 0 or done:
-            try:
-                ckpt_path = save_checkpoint(
-                    out_dir,
-                    step=step,
-                    model=model,
-                    optimizer=optimizer,
-                    data_position=position,
-                    config=saved_config,
-                    # whether a held-out evaluation follows this checkpoint: a resume from it runs
-                    # that evaluation when the log does not hold it (a stop between the two)
-                    extra={
-                        "max_steps": max_steps,
-                        "inputs": inputs,
-                        "eval_due": heldout is not None and (step % ev.every == 0 or done),
-                    },
-                    keep=ck.keep,
-                )
-            except NonFiniteCheckpointError as exc:
-                raise NonFiniteTrainingError(f"at step {step}: {exc} ({_last_good(out_dir)})") from exc
-        if heldout is not None and (step % ev.every == 0 or done):
-            last_eval = _log_eval(
-                log_path, step, evaluate(model, heldout, ev.batch_size), bar, ceiling, router_type
-            )
+        eval_due = heldout is not None and (step % cfg.eval.every == 0 or done)
+        if step % cfg.checkpoint.every == 0 or done:
+            ckpt_path = run.save(step, position, max_steps, eval_due)
+        if eval_due:
+            last_eval = run.evaluate(step, bar)
         if timed_out and step < last_stop:
             stopped_early = True
             bar.write(f"stop_after_minutes reached at step {step}; checkpoint saved")

@@ -267,93 +267,27 @@ def upcycle(
         settings = UpcycleSettings.from_keywords(**keywords)
     elif keywords:
         raise TypeError(f"upcycle takes settings or keywords, not both: got {', '.join(sorted(keywords))}")
-    mode, n_experts, top_k, seed = settings.mode, settings.experts, settings.top_k, settings.seed
-    shared_neurons, shared_select, shared_copy = (
-        settings.shared_neurons,
-        settings.shared_select,
-        settings.shared_copy,
-    )
-    lora_rank, router_std, causal = settings.lora_rank, settings.router_std, settings.causal
+    seed = settings.seed
     layer_order = list(settings.layer_order) if settings.layer_order is not None else None
     dtype = getattr(torch, settings.dtype) if settings.dtype is not None else None
-    router_init = settings.router_init or ("random" if mode == "copy" else "centroid")
+    router_init = settings.router_init or ("random" if settings.mode == "copy" else "centroid")
 
     # every random draw below comes from `seed`; the caller's generator state is restored after.
     # Every draw is made on the CPU, so only its generator is seeded (torch.manual_seed would also
     # reseed the caller's CUDA generators, which fork_rng(devices=[]) does not restore)
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        dense_model = _load_dense(src, dtype, causal, layer_order)
-        text_config = dense_model.config
-        rule = family_rule(getattr(text_config, "model_type", None))
+        dense_model = _load_dense(src, dtype, settings.causal, layer_order)
+        rule = family_rule(getattr(dense_model.config, "model_type", None))
         if layer_order is not None:
             reorder_layers(dense_model, list(layer_order))
-        expected = MoEEUpcycledForCausalLM if is_causal(text_config) else MoEEUpcycledModel
-        layers = moe_layers(dense_model.base_model, rule)
-        ffns = [rule.read(layer) for layer in layers]
+        ffns = [rule.read(layer) for layer in moe_layers(dense_model.base_model, rule)]
         d_ff = ffns[0].d_ff
-        if mode == "split":
-            shared_width = shared_neurons
-            if not 0 <= shared_neurons < d_ff:
-                raise ValueError(f"shared_neurons must be in [0, d_ff={d_ff}), got {shared_neurons}")
-            if (d_ff - shared_neurons) % n_experts:
-                raise ValueError(
-                    f"d_ff={d_ff} minus shared_neurons={shared_neurons} is not divisible by n_experts={n_experts}: "
-                    "every expert must get the same number of neurons"
-                )
-            width = (d_ff - shared_neurons) // n_experts
-        elif mode == "lora":
-            shared_width = width = d_ff
-        else:
-            shared_width = d_ff if shared_copy else 0
-            width = d_ff
-
+        widths = _expert_widths(settings, d_ff)
         gen = torch.Generator().manual_seed(seed)
-        plans = []
-        for ffn in ffns:
-            if mode == "split":
-                shared = select_shared_neurons(ffn, shared_neurons, shared_select) if shared_neurons else None
-                groups, centroids = split_neurons(ffn, n_experts, shared, seed=seed)
-            elif mode == "lora":  # the whole FFN is shared; neuron clusters only start the router
-                shared = torch.arange(d_ff)
-                groups = None
-                centroids = split_neurons(ffn, n_experts, seed=seed)[1] if router_init == "centroid" else None
-            else:
-                shared = torch.arange(d_ff) if shared_copy else None
-                groups, centroids = [torch.arange(d_ff)] * n_experts, None
-            if router_init == "centroid":
-                router = centroids
-            elif router_init == "random":
-                router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * router_std
-            else:
-                router = torch.zeros(n_experts, ffn.d_model)
-            lora_a = None
-            if mode == "lora":  # LoRA's A: kaiming-uniform-like rows of scale 1/sqrt(d_ff)
-                bound = 1.0 / math.sqrt(d_ff)
-                lora_a = (torch.rand(n_experts, d_ff, lora_rank, generator=gen) * 2 - 1) * bound
-            # ffn holds (detached) references to the dense tensors: they outlive the replaced modules
-            plans.append((ffn, groups, shared, router, lora_a))
-
-        name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
-        config = MoEEUpcycledConfig(
-            text_config=text_config,
-            num_experts=n_experts,
-            num_experts_per_tok=top_k,
-            upcycle_mode=mode,
-            expert_lora_rank=lora_rank if mode == "lora" else 0,
-            expert_intermediate_size=width,
-            shared_intermediate_size=shared_width,
-            router_init=router_init,
-            upcycled_from=str(name) if name else None,
-            **settings.router_config,
-        )
-        model = expected(config, dense=dense_model)
-        for moe, (ffn, groups, shared, router, lora_a) in zip(model.moe_ffns(), plans, strict=True):
-            like = {"device": ffn.w_act.device, "dtype": ffn.w_act.dtype}
-            moe.to(**like)
-            moe.load_dense(
-                ffn, groups, shared, router.to(**like), None if lora_a is None else lora_a.to(**like)
-            )
+        # ffn holds (detached) references to the dense tensors: they outlive the replaced modules
+        plans = [_layer_plan(ffn, settings, router_init, d_ff, gen) for ffn in ffns]
+        model = _assemble(src, dense_model, settings, router_init, widths, plans)
         model.eval()
         if tokenizer is None and calibration is None and isinstance(src, (str, Path)):
             tokenizer = _local_tokenizer(Path(src))
@@ -363,21 +297,110 @@ def upcycle(
             balance_routers(model, [plan[3] for plan in plans], sample[fit], mask[fit])
         report = router_load_report(model, sample[held], mask[held])
     model.router_load_report = report
+    message = _collapse_message(report)
+    if message:
+        warnings.warn(message, UpcycleWarning, stacklevel=2)
+    return model
+
+
+def _expert_widths(settings: UpcycleSettings, d_ff: int) -> tuple[int, int]:
+    """The (shared, per-expert) FFN widths of the mode; split checks that the neurons divide evenly."""
+    mode, n_experts, shared_neurons = settings.mode, settings.experts, settings.shared_neurons
+    if mode == "split":
+        if not 0 <= shared_neurons < d_ff:
+            raise ValueError(f"shared_neurons must be in [0, d_ff={d_ff}), got {shared_neurons}")
+        if (d_ff - shared_neurons) % n_experts:
+            raise ValueError(
+                f"d_ff={d_ff} minus shared_neurons={shared_neurons} is not divisible by n_experts={n_experts}: "
+                "every expert must get the same number of neurons"
+            )
+        return shared_neurons, (d_ff - shared_neurons) // n_experts
+    if mode == "lora":
+        return d_ff, d_ff
+    return (d_ff if settings.shared_copy else 0), d_ff
+
+
+def _layer_plan(
+    ffn: DenseFFN, settings: UpcycleSettings, router_init: str, d_ff: int, gen: torch.Generator
+) -> tuple:
+    """One dense FFN's ``(ffn, expert neuron groups, shared neurons, router rows, LoRA A)``.
+
+    Called layer by layer in order: the draws from ``gen`` follow the same sequence every call.
+    """
+    mode, n_experts, seed = settings.mode, settings.experts, settings.seed
+    if mode == "split":
+        n_shared = settings.shared_neurons
+        shared = select_shared_neurons(ffn, n_shared, settings.shared_select) if n_shared else None
+        groups, centroids = split_neurons(ffn, n_experts, shared, seed=seed)
+    elif mode == "lora":  # the whole FFN is shared; neuron clusters only start the router
+        shared = torch.arange(d_ff)
+        groups = None
+        centroids = split_neurons(ffn, n_experts, seed=seed)[1] if router_init == "centroid" else None
+    else:
+        shared = torch.arange(d_ff) if settings.shared_copy else None
+        groups, centroids = [torch.arange(d_ff)] * n_experts, None
+    if router_init == "centroid":
+        router = centroids
+    elif router_init == "random":
+        router = torch.randn(n_experts, ffn.d_model, generator=gen, dtype=torch.float32) * settings.router_std
+    else:
+        router = torch.zeros(n_experts, ffn.d_model)
+    lora_a = None
+    if mode == "lora":  # LoRA's A: kaiming-uniform-like rows of scale 1/sqrt(d_ff)
+        bound = 1.0 / math.sqrt(d_ff)
+        lora_a = (torch.rand(n_experts, d_ff, settings.lora_rank, generator=gen) * 2 - 1) * bound
+    return ffn, groups, shared, router, lora_a
+
+
+def _assemble(
+    src: str | Path | PreTrainedModel,
+    dense_model: PreTrainedModel,
+    settings: UpcycleSettings,
+    router_init: str,
+    widths: tuple[int, int],
+    plans: list[tuple],
+) -> MoEEUpcycledPreTrainedModel:
+    """The upcycled model around ``dense_model``, each MoE FFN loaded from its layer's plan."""
+    text_config = dense_model.config
+    expected = MoEEUpcycledForCausalLM if is_causal(text_config) else MoEEUpcycledModel
+    shared_width, width = widths
+    mode = settings.mode
+    name = src if isinstance(src, (str, Path)) else getattr(text_config, "_name_or_path", None)
+    config = MoEEUpcycledConfig(
+        text_config=text_config,
+        num_experts=settings.experts,
+        num_experts_per_tok=settings.top_k,
+        upcycle_mode=mode,
+        expert_lora_rank=settings.lora_rank if mode == "lora" else 0,
+        expert_intermediate_size=width,
+        shared_intermediate_size=shared_width,
+        router_init=router_init,
+        upcycled_from=str(name) if name else None,
+        **settings.router_config,
+    )
+    model = expected(config, dense=dense_model)
+    for moe, (ffn, groups, shared, router, lora_a) in zip(model.moe_ffns(), plans, strict=True):
+        like = {"device": ffn.w_act.device, "dtype": ffn.w_act.dtype}
+        moe.to(**like)
+        moe.load_dense(ffn, groups, shared, router.to(**like), None if lora_a is None else lora_a.to(**like))
+    return model
+
+
+def _collapse_message(report: list[dict]) -> str | None:
+    """The warning naming the layers whose routers start collapsed, or None when none did."""
     collapsed = [
         f"layer {r['layer']} (max/mean {r['max_over_mean']:.2f}, {r['dead']} dead)"
         for r in report
         if r["collapsed"]
     ]
-    if collapsed:
-        warnings.warn(
-            f"the upcycled routers start collapsed in {len(collapsed)} of {len(report)} layers on the "
-            f"calibration sample's unseen quarter: {'; '.join(collapsed)} (ceiling {report[0]['ceiling']:.2f} = experts / "
-            "top-k); training reinforces a collapse: keep the router balancing on, balance on text like the "
-            "model's own (calibration), and train with a loss_free router",
-            UpcycleWarning,
-            stacklevel=2,
-        )
-    return model
+    if not collapsed:
+        return None
+    return (
+        f"the upcycled routers start collapsed in {len(collapsed)} of {len(report)} layers on the "
+        f"calibration sample's unseen quarter: {'; '.join(collapsed)} (ceiling {report[0]['ceiling']:.2f} = experts / "
+        "top-k); training reinforces a collapse: keep the router balancing on, balance on text like the "
+        "model's own (calibration), and train with a loss_free router"
+    )
 
 
 def calibration_texts(n: int = 256, corpus: str | Path | None = None) -> list[str]:
