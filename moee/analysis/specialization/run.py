@@ -6,7 +6,7 @@ model path or Hub id, the corpus (read through once), the ``moee ablate`` result
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,30 +43,15 @@ def check_model_spec(flag: str, spec: str, *, hub: bool = True) -> None:
         raise FileNotFoundError(f"{flag} {spec}: cannot find this model ({exc})") from None
 
 
-def run_report(
-    settings: ReportSettings, *, command: Sequence[str] | None = None, progress: bool = True
-) -> tuple[dict[str, Any], dict[str, Path]]:
-    """The report of ``settings`` written to ``settings.out`` (``report.json`` and ``report.html``,
-    committed together); ``command`` is recorded in its ``meta`` (default: ``sys.argv``). Returns
-    the report and the written paths."""
-    from moee.analysis.specialization import (
-        build_report,
-        compare_section,
-        load_embedder,
-        read_corpus,
-        routing_overlap,
-        saturation_section,
-        write_report,
-    )
-    from moee.analysis.specialization.report import _resolve_top_k, check_corpus, check_report_folder
+def _check_inputs(s: ReportSettings) -> tuple[int | None, dict[str, Any]]:
+    """Every input before the first model loads: the output folder, each model, the corpus (its
+    text count returned) and each ``moee ablate`` result (read and checked now, matched to the
+    model once it loads: section key -> (section builder, result))."""
+    from moee.analysis.specialization.report import check_corpus, check_report_folder
     from moee.analysis.specialization.sections.ablation import ablation_section, read_ablation
     from moee.analysis.specialization.sections.router_swap import read_swap, router_swap_section
     from moee.analysis.specialization.sections.steering import read_steering, steering_section
-    from moee.embed.embedder import MoEEmbedder
-    from moee.io import run_metadata
 
-    s, options = settings, settings.load
-    # every input before the first model loads: the output folder, each model, the corpus
     check_report_folder(s.out, overwrite=s.overwrite, inputs=s.inputs())
     specs = [("--model", s.model)] if s.model is not None else []
     specs += [("--checkpoints", c) for c in s.checkpoints or ()]
@@ -74,7 +59,6 @@ def run_report(
     for flag, spec in specs:
         check_model_spec(flag, spec, hub=flag != "--model")
     total = check_corpus(s.corpus, text_field=s.field, domain_field=s.domain_field, max_texts=s.max_texts)
-    # each `moee ablate` result: read and checked now, matched to the model once it loads
     causal: dict[str, Any] = {}
     if s.ablation is not None:
         causal["ablation"] = (ablation_section, read_ablation(s.ablation))
@@ -82,6 +66,112 @@ def run_report(
         causal["router_swap"] = (router_swap_section, read_swap(s.router_swap))
     if s.steering is not None:
         causal["steering"] = (steering_section, [read_steering(path) for path in s.steering])
+    return total, causal
+
+
+def _saturation(
+    s: ReportSettings,
+    embedder: Any,
+    load: Callable[[str], Any],
+    limited: Callable[[], Any],
+    tokenizer: Any,
+    progress: bool,
+) -> dict:
+    """The router-saturation section over ``s.checkpoints`` (k from the model, else the final
+    checkpoint, when ``s.top_k`` is not given)."""
+    from moee.analysis.specialization import saturation_section
+    from moee.analysis.specialization.report import _resolve_top_k
+
+    k = s.top_k
+    if k is None:
+        probe = embedder or load(s.checkpoints[-1])
+        k = _resolve_top_k(probe, None)[0]
+    return saturation_section(
+        list(s.checkpoints),
+        limited(),
+        top_k=k,
+        load=load,
+        max_tokens=s.overlap_tokens,
+        batch_size=s.batch_size,
+        progress=progress,
+        model_tokenizer=tokenizer,
+        model_name=s.model,
+    )
+
+
+def _causal_parts(s: ReportSettings, causal: dict[str, Any], embedder: Any, saturation: dict | None) -> dict:
+    """The ``moee ablate`` sections, checked against the report's model before its texts are routed."""
+    from moee.embed.reference import weights_digest
+
+    parts = {}
+    results = [r for _, given in causal.values() for r in (given if isinstance(given, list) else [given])]
+    recorded = any((r.get("meta") or {}).get("weights_digest") is not None for r in results)
+    digest = weights_digest(embedder) if recorded else None
+    for key, (section, given) in causal.items():
+        parts[key] = section(
+            given,
+            model=s.model if s.model is not None or saturation is None else saturation["final"],
+            n_layers=int(embedder.n_moe_layers),
+            n_experts=int(embedder.n_experts),
+            weights_digest=digest,
+        )
+    return parts
+
+
+def _meta(s: ReportSettings, command: Sequence[str] | None, saturation: dict | None) -> dict:
+    """The report's ``meta``: the run, the corpus and which checkpoint series saturation describes."""
+    from moee.io import run_metadata
+
+    meta = {
+        **run_metadata(list(command) if command is not None else None),
+        "corpus": str(s.corpus),
+        "domain_field": s.domain_field,
+    }
+    if saturation is not None:  # which checkpoint series the saturation section describes
+        meta["saturation_source"] = {
+            "final": saturation["final"],
+            "same_tokenization_as_model": saturation["tokenization"]["same_as_model"],
+        }
+    return meta
+
+
+def _compare(
+    s: ReportSettings,
+    report: dict,
+    embedder: Any,
+    other: Any,
+    corpus: Callable[[], Any],
+    limited: Callable[[], Any],
+    build: dict,
+) -> dict:
+    """The comparison section: ``other``'s own report (over the corpus once more) and the routing
+    overlap with it on the first ``s.overlap_tokens`` tokens (of the ``limited`` corpus)."""
+    from moee.analysis.specialization import build_report, compare_section, routing_overlap
+
+    report_b = build_report(other, corpus(), **build)
+    overlap = routing_overlap(
+        embedder,
+        [other],
+        limited(),
+        top_k=report["summary"]["top_k"],
+        max_tokens=s.overlap_tokens,
+        batch_size=s.batch_size,
+        progress=build["progress"],
+    )[0]
+    return compare_section(report, report_b, overlap, [report["summary"]["model"], s.compare])
+
+
+def run_report(
+    settings: ReportSettings, *, command: Sequence[str] | None = None, progress: bool = True
+) -> tuple[dict[str, Any], dict[str, Path]]:
+    """The report of ``settings`` written to ``settings.out`` (``report.json`` and ``report.html``,
+    committed together); ``command`` is recorded in its ``meta`` (default: ``sys.argv``). Returns
+    the report and the written paths."""
+    from moee.analysis.specialization import build_report, load_embedder, read_corpus, write_report
+    from moee.embed.embedder import MoEEmbedder
+
+    s, options = settings, settings.load
+    total, causal = _check_inputs(s)
 
     def corpus():
         return read_corpus(s.corpus, text_field=s.field, domain_field=s.domain_field)
@@ -113,66 +203,17 @@ def run_report(
 
     saturation = None
     if s.checkpoints:
-        k = s.top_k
-        if k is None:
-            probe = embedder or load(s.checkpoints[-1])
-            k = _resolve_top_k(probe, None)[0]
-        saturation = saturation_section(
-            list(s.checkpoints),
-            limited(),
-            top_k=k,
-            load=load,
-            max_tokens=s.overlap_tokens,
-            batch_size=s.batch_size,
-            progress=progress,
-            model_tokenizer=tokenizer,
-            model_name=s.model,
-        )
+        saturation = _saturation(s, embedder, load, limited, tokenizer, progress)
         if embedder is None:
             embedder = load(saturation["final"])
-    parts = {}
-    if causal:  # against the report's model before its texts are routed
-        from moee.embed.reference import weights_digest
-
-        results = [r for _, given in causal.values() for r in (given if isinstance(given, list) else [given])]
-        recorded = any((r.get("meta") or {}).get("weights_digest") is not None for r in results)
-        digest = weights_digest(embedder) if recorded else None
-        for key, (section, given) in causal.items():
-            parts[key] = section(
-                given,
-                model=s.model if s.model is not None or saturation is None else saturation["final"],
-                n_layers=int(embedder.n_moe_layers),
-                n_experts=int(embedder.n_experts),
-                weights_digest=digest,
-            )
+    parts = _causal_parts(s, causal, embedder, saturation) if causal else {}
     report = build_report(embedder, corpus(), **build)
     if saturation is not None:
         report["saturation"] = saturation
     report.update(parts)
-    report["meta"] = {
-        **run_metadata(list(command) if command is not None else None),
-        "corpus": str(s.corpus),
-        "domain_field": s.domain_field,
-    }
-    if saturation is not None:  # which checkpoint series the saturation section describes
-        report["meta"]["saturation_source"] = {
-            "final": saturation["final"],
-            "same_tokenization_as_model": saturation["tokenization"]["same_as_model"],
-        }
+    report["meta"] = _meta(s, command, saturation)
     if s.compare is not None:
         other = load(s.compare)
-        report_b = build_report(other, corpus(), **build)
-        overlap = routing_overlap(
-            embedder,
-            [other],
-            limited(),
-            top_k=report["summary"]["top_k"],
-            max_tokens=s.overlap_tokens,
-            batch_size=s.batch_size,
-            progress=progress,
-        )[0]
-        report["compare"] = compare_section(
-            report, report_b, overlap, [report["summary"]["model"], s.compare]
-        )
+        report["compare"] = _compare(s, report, embedder, other, corpus, limited, build)
     paths = write_report(report, s.out, overwrite=s.overwrite, progress=progress, inputs=s.inputs())
     return report, paths

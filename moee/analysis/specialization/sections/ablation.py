@@ -116,6 +116,23 @@ def _render(report: dict, page: Page) -> str:
     ab = report["ablation"]
     if not ab.get("available"):
         return unavailable_html("an expert ablation", "importance", ab.get("reason"))
+    rows = ab["experts"]
+    fig = _importance_figure(ab)
+    return (
+        _lead(ab)
+        + _top_table(rows)
+        + _super_text(ab["super_experts"])
+        + _figure(
+            fig,
+            "expert importance vs load",
+            "Left: each expert's loss change when disabled (coloured by layer) and its load-matched "
+            "null (grey crosses) against its load. Right: Spearman(importance, load) per layer.",
+        )
+    )
+
+
+def _importance_figure(ab: dict) -> Any:
+    """Left: importance and its null against load, coloured by layer; right: Spearman per layer."""
     plt = _plt()
     rows = ab["experts"]
     layers = np.asarray([r["layer"] for r in rows])
@@ -143,8 +160,13 @@ def _render(report: dict, page: Page) -> str:
     ax[1].set_xlabel("MoE layer")
     ax[1].set_title("Spearman(importance, load)", fontsize=9)
     fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=norm), ax=ax[0], label="MoE layer", fraction=0.04)
+    return fig
+
+
+def _top_table(rows: list[dict]) -> str:
+    """The TOP_EXPERTS most important experts with their null, excess and load rank."""
     top = sorted(rows, key=lambda r: -r["delta"])[:TOP_EXPERTS]
-    table = _table(
+    return _table(
         ["rank", "layer:expert", "load", "importance", "null", "excess", "load rank"],
         [
             [
@@ -159,9 +181,10 @@ def _render(report: dict, page: Page) -> str:
             for r in top
         ],
     )
-    has_null = ab.get("null") is not None
-    beyond = sum(1 for r in rows if _number(r.get("excess")) and r["excess"] > 0)
-    sup = ab["super_experts"]
+
+
+def _super_text(sup: dict) -> str:
+    """The super experts flagged, the loss of disabling them together and the largest activations."""
     flagged = sup.get("flagged") or []
     names = ", ".join(f"{esc(str(f.get('layer')))}:{esc(str(f.get('expert')))}" for f in flagged) or "none"
     super_text = (
@@ -184,6 +207,15 @@ def _render(report: dict, page: Page) -> str:
             )
             + ".</p>"
         )
+    return super_text
+
+
+def _lead(ab: dict) -> str:
+    """The paragraph saying what was ablated, on what, the null and the importance-load correlation."""
+    rows = ab["experts"]
+    corr = ab["spearman_importance_load"]
+    has_null = ab.get("null") is not None
+    beyond = sum(1 for r in rows if _number(r.get("excess")) and r["excess"] > 0)
     domains = ab.get("domains") or {}
     return (
         "<p class='lead'>Causal importance (from <code>moee ablate</code>, "
@@ -202,14 +234,6 @@ def _render(report: dict, page: Page) -> str:
         + f"Spearman(importance, load) over all experts: {_sci(corr.get('pooled'), 3)}"
         + (f", of the excess: {_sci(corr.get('pooled_excess'), 3)}" if has_null else "")
         + ". The loads are the ablation corpus's, not this report's.</p>"
-        + table
-        + super_text
-        + _figure(
-            fig,
-            "expert importance vs load",
-            "Left: each expert's loss change when disabled (coloured by layer) and its load-matched "
-            "null (grey crosses) against its load. Right: Spearman(importance, load) per layer.",
-        )
     )
 
 

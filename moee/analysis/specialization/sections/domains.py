@@ -11,6 +11,8 @@ times its baseline. The texts' expert counts come from a bounded sample of texts
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from moee.analysis.specialization.markup import Page, _figure, _fmt, _grid, _nan, _subplots, _table, esc
@@ -167,32 +169,10 @@ def _render(report: dict, page: Page) -> str:
     doms = report["domains"]
     if not doms.get("available"):
         return "<p>No domain labels were given (use <code>--domain-field</code> with a .jsonl corpus).</p>"
-    s = report["summary"]
-    L, E, k = s["n_layers"], s["n_experts"], s["top_k"]
+    L = report["summary"]["n_layers"]
     d = doms["domains"]
     names = list(doms.get("names") or d)
-    mats = []
-    for layer in range(L):
-        corpus_share = np.asarray(report["layers"][layer]["load_fraction"]) * k  # N_k(E) / N
-        mats.append(
-            np.divide(
-                np.asarray([d[n]["fraction"][layer] for n in names]),
-                corpus_share,
-                out=np.zeros((len(names), E)),
-                where=corpus_share > 0,
-            )
-        )
-    vmax = max(1.0, float(np.percentile(np.concatenate([m.ravel() for m in mats]), 99)))  # one scale
-    cols = min(4, L)
-    fig, axes = _grid(L, cols=cols, w=3.6, h=0.8 + 0.26 * len(names))
-    for layer, (ax, mat) in enumerate(zip(axes, mats)):
-        im = ax.imshow(mat, aspect="auto", cmap="magma", vmin=0, vmax=vmax)
-        ax.set_yticks(range(len(names)), names if layer % cols == 0 else [], fontsize=7)
-        ax.set_title(f"layer {layer}", fontsize=8)
-        ax.tick_params(axis="x", labelsize=6)
-        if layer >= L - cols:
-            ax.set_xlabel("expert", fontsize=7)
-    fig.colorbar(im, ax=list(axes), fraction=0.02, pad=0.01, label="share / corpus share")
+    fig = _lift_heatmaps(report, names)
     parts = [
         "<p class='lead'>max<sub>E</sub> N_k(E,D)/N_D per layer (OLMoE paper, section 5), beside its "
         "baseline: the same statistic with the domain labels shuffled across texts (permutation; each "
@@ -225,26 +205,59 @@ def _render(report: dict, page: Page) -> str:
     ]
     spec = doms.get("specialization_by_layer")
     if spec:
-        fig, ax = _subplots(figsize=(5.5, 3))
-        xs = [r["layer"] for r in spec]
-        ax.plot(xs, _nan(r["jsd"] for r in spec), marker="o", label="JSD of the domains' loads")
-        ax.plot(xs, _nan(r["jsd_baseline"] for r in spec), linestyle="--", color="gray", label="permutation")
-        ax.set_xlabel("MoE layer")
-        ax.set_ylabel("nats")
-        ax.legend(fontsize=7)
-        parts.append(
-            "<h3>Domain specialisation score</h3><p>Generalised Jensen-Shannon divergence of the domains' "
-            "load distributions over experts (weights: the domains' token shares), beside the same "
-            "statistic with the domain labels shuffled across texts.</p>"
-            + _table(
-                ["layer", "JSD (nats)", "permutation"],
-                [[r["layer"], _fmt(r["jsd"], 4), _fmt(r["jsd_baseline"], 4)] for r in spec],
-            )
-            + _figure(
-                fig, "domain JSD", "Domain specialisation (JSD) per layer beside its permutation baseline."
+        parts.append(_jsd_part(spec))
+    return "".join(parts)
+
+
+def _lift_heatmaps(report: dict, names: list[str]) -> Any:
+    """Per layer, each domain's share of each expert over the expert's corpus share, one scale."""
+    s = report["summary"]
+    L, E, k = s["n_layers"], s["n_experts"], s["top_k"]
+    d = report["domains"]["domains"]
+    mats = []
+    for layer in range(L):
+        corpus_share = np.asarray(report["layers"][layer]["load_fraction"]) * k  # N_k(E) / N
+        mats.append(
+            np.divide(
+                np.asarray([d[n]["fraction"][layer] for n in names]),
+                corpus_share,
+                out=np.zeros((len(names), E)),
+                where=corpus_share > 0,
             )
         )
-    return "".join(parts)
+    vmax = max(1.0, float(np.percentile(np.concatenate([m.ravel() for m in mats]), 99)))  # one scale
+    cols = min(4, L)
+    fig, axes = _grid(L, cols=cols, w=3.6, h=0.8 + 0.26 * len(names))
+    for layer, (ax, mat) in enumerate(zip(axes, mats)):
+        im = ax.imshow(mat, aspect="auto", cmap="magma", vmin=0, vmax=vmax)
+        ax.set_yticks(range(len(names)), names if layer % cols == 0 else [], fontsize=7)
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.tick_params(axis="x", labelsize=6)
+        if layer >= L - cols:
+            ax.set_xlabel("expert", fontsize=7)
+    fig.colorbar(im, ax=list(axes), fraction=0.02, pad=0.01, label="share / corpus share")
+    return fig
+
+
+def _jsd_part(spec: list[dict]) -> str:
+    """The domain specialisation score per layer beside its permutation baseline: text, table, figure."""
+    fig, ax = _subplots(figsize=(5.5, 3))
+    xs = [r["layer"] for r in spec]
+    ax.plot(xs, _nan(r["jsd"] for r in spec), marker="o", label="JSD of the domains' loads")
+    ax.plot(xs, _nan(r["jsd_baseline"] for r in spec), linestyle="--", color="gray", label="permutation")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("nats")
+    ax.legend(fontsize=7)
+    return (
+        "<h3>Domain specialisation score</h3><p>Generalised Jensen-Shannon divergence of the domains' "
+        "load distributions over experts (weights: the domains' token shares), beside the same "
+        "statistic with the domain labels shuffled across texts.</p>"
+        + _table(
+            ["layer", "JSD (nats)", "permutation"],
+            [[r["layer"], _fmt(r["jsd"], 4), _fmt(r["jsd_baseline"], 4)] for r in spec],
+        )
+        + _figure(fig, "domain JSD", "Domain specialisation (JSD) per layer beside its permutation baseline.")
+    )
 
 
 SECTION = Section(

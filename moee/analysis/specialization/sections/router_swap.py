@@ -8,6 +8,7 @@ model once that loads (:func:`router_swap_section`), through
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,10 +96,26 @@ def _render(report: dict, page: Page) -> str:
     if not sw.get("available"):
         return unavailable_html("a router swap", "swap", sw.get("reason"))
     rows = sw["swaps"]
+    has_null = not np.isnan(_nan(rows, "null")).all()
+    fig = _swap_figure(rows, has_null)
+    return (
+        _lead(sw, has_null)
+        + _swap_table(rows)
+        + _figure(
+            fig,
+            "router swap vs permuted-router null",
+            "Left: loss change per MoE layer with the donor's router (blue) and with the layer's own router "
+            "with permuted experts (grey, the null; bars: sd over the draws). Right: the share of the "
+            "null's cost the donor's router recovers.",
+        )
+    )
+
+
+def _swap_figure(rows: list[dict], has_null: bool) -> Any:
+    """Left: each swap's loss change beside its permuted null; right: the share recovered."""
     labels = [str(r["layer"]) for r in rows]
     x = np.arange(len(rows))
     delta, null, std = _nan(rows, "delta"), _nan(rows, "null"), _nan(rows, "null_std")
-    has_null = not np.isnan(null).all()
     fig, ax = _subplots(1, 2 if has_null else 1, figsize=(11 if has_null else 7, 3.4), squeeze=False)
     ax = ax[0]
     width = 0.4 if has_null else 0.7
@@ -127,7 +144,12 @@ def _render(report: dict, page: Page) -> str:
         ax[1].set_xticks(x, labels)
         ax[1].set_xlabel("router replaced (MoE position; 'all': every one)")
         ax[1].set_title("recovered = 1 - swap / null", fontsize=9)
-    table = _table(
+    return fig
+
+
+def _swap_table(rows: list[dict]) -> str:
+    """One row per swap: the donor's loss change, the null, its spread and the share recovered."""
+    return _table(
         ["layer", "router", "donor's router", "permuted null", "null spread (sd)", "recovered"],
         [
             [
@@ -141,6 +163,11 @@ def _render(report: dict, page: Page) -> str:
             for r in rows
         ],
     )
+
+
+def _lead(sw: dict, has_null: bool) -> str:
+    """The paragraph saying what was swapped, on what, the null and the every-layer reading."""
+    rows = sw["swaps"]
     every = next((r for r in rows if r["layer"] == "all"), None)
     reading = ""
     if every is not None and number(every.get("null")):
@@ -170,14 +197,6 @@ def _render(report: dict, page: Page) -> str:
             else "The permuted-router null was not run (<code>--no-null</code>)."
         )
         + "</p>"
-        + table
-        + _figure(
-            fig,
-            "router swap vs permuted-router null",
-            "Left: loss change per MoE layer with the donor's router (blue) and with the layer's own router "
-            "with permuted experts (grey, the null; bars: sd over the draws). Right: the share of the "
-            "null's cost the donor's router recovers.",
-        )
     )
 
 

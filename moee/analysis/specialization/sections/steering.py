@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -135,6 +136,22 @@ def _render(report: dict, page: Page) -> str:
     if not st.get("available"):
         return unavailable_html("steering", "steering", st.get("reason"))
     cases = st["cases"]
+    return (
+        _lead(cases)
+        + _case_table(cases)
+        + _figure(
+            _null_bars(cases),
+            "steering vs random-expert null",
+            "Per case (biases below the bars): the steered experts (red) and the same biases on random "
+            "experts of the same layers (grey: mean, bars: sd over the draws). Left: next-token KL; "
+            "middle: embedding change, 1 - cosine; right: mean change of the biased experts' selection rate.",
+        )
+    )
+
+
+def _null_bars(cases: list[dict]) -> Any:
+    """The figure: per case, the steered experts' KL, embedding change and selection shift beside
+    the random-expert null's."""
     x = np.arange(len(cases))
     labels = [_label(c) for c in cases]
     fig, ax = _subplots(1, 3, figsize=(12, 3.4))
@@ -175,6 +192,11 @@ def _render(report: dict, page: Page) -> str:
         axis.set_xticks(x, labels, fontsize=7)
         axis.set_title(title, fontsize=9)
     ax[0].legend(fontsize=7)
+    return fig
+
+
+def _case_table(cases: list[dict]) -> str:
+    """One row per case: its KL, embedding cosine and selection rates beside the null's."""
     rows = []
     for c in cases:
         null = c["null"]
@@ -214,6 +236,11 @@ def _render(report: dict, page: Page) -> str:
         rows,
         raw_headers=True,
     )
+    return table
+
+
+def _lead(cases: list[dict]) -> str:
+    """The paragraph saying what was steered and measured, and what the null was (if it ran)."""
     sources = ", ".join(f"<code>{esc(str(c.get('source')))}</code>" for c in cases)
     described = next((c["null"].get("description") for c in cases if c["null"] is not None), None)
     return (
@@ -229,14 +256,6 @@ def _render(report: dict, page: Page) -> str:
             "any expert of that bias would do.</p>"
             if described is not None
             else "The random-expert null was not run (<code>--no-null</code>).</p>"
-        )
-        + table
-        + _figure(
-            fig,
-            "steering vs random-expert null",
-            "Per case (biases below the bars): the steered experts (red) and the same biases on random "
-            "experts of the same layers (grey: mean, bars: sd over the draws). Left: next-token KL; "
-            "middle: embedding change, 1 - cosine; right: mean change of the biased experts' selection rate.",
         )
     )
 
