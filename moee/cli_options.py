@@ -18,7 +18,9 @@ Each field declares its flag beside itself, in ``dataclasses.field(metadata=...)
   field of ``model_from`` (default ``("model",)``), or kept as the flags given (``resolve``: false);
 - ``positional``: the field is a positional argument (named as the field), not a ``--flag``;
 - ``exclusive``: a name shared by the fields whose flags exclude each other (one group; the group
-  is required when one of them says ``required``).
+  is required when one of them says ``required``);
+- ``no_flag``: true for a setting only Python callers give (a run's recorded command, extra
+  configurations): it has no flag.
 
 A field without a default is a required flag, as is one whose metadata says ``required`` (a setting
 a library caller may leave unset, e.g. an output folder). A field with ``init=False`` (a value the
@@ -85,6 +87,7 @@ METADATA_KEYS = frozenset(
         "exclusive",
         "model_from",
         "resolve",
+        "no_flag",
     }
 )
 #: Argument groups fields may name (``group``), by their title in ``--help``.
@@ -145,7 +148,7 @@ def add_field_arguments(
     exclusive: dict[str, Any] = {}
     added = []
     for f in fields(cls):
-        if f.name in exclude or not f.init:
+        if f.name in exclude or not f.init or f.metadata.get("no_flag"):
             continue
         meta = dict(f.metadata)
         unknown = set(meta) - METADATA_KEYS
@@ -221,7 +224,7 @@ def settings_of(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     values: dict[str, Any] = {}
     embedded = []
     for f in fields(cls):
-        if not f.init or f.name in given:
+        if not f.init or f.name in given or f.metadata.get("no_flag"):
             continue
         if _embeds(f, EmbeddingConfig):
             embedded.append(f)  # after the other fields: it is resolved against their model

@@ -13,12 +13,13 @@ import pytest
 import moee.cli_options as cli_options
 from moee.cli import build_parser
 from moee.cli_options import add_field_arguments, explicit_config
-from moee.commands import evaluate, fit_reference
 from moee.embed.config import PAPER_FIELDS, EmbeddingConfig
+from moee.embed.settings import FIT_REFERENCE_NOT_FLAGS
+from moee.evaluation.settings import EVAL_NOT_FLAGS
 from moee.loading import LoadOptions
 
 #: The commands that embed with a configuration of their own flags, and the fields each takes otherwise.
-EMBEDDING_COMMANDS = {"embed": {}, "fit-reference": fit_reference.NOT_FLAGS, "evaluate": evaluate.NOT_FLAGS}
+EMBEDDING_COMMANDS = {"embed": {}, "fit-reference": FIT_REFERENCE_NOT_FLAGS, "evaluate": EVAL_NOT_FLAGS}
 LOADING_COMMANDS = ("embed", "search", "evaluate", "fit-reference", "report", "quickstart")
 
 

@@ -30,6 +30,8 @@ CONVERTED = {
     "fit-reference": ("moee.commands.fit_reference", "FitReferenceSettings", ["c.txt", "--out", "r"]),
     "search": ("moee.commands.search", "SearchSettings", ["--embeddings", "e.npy", "--query", "q"]),
     "serve": ("moee.commands.serve", "ServeSettings", []),
+    "evaluate": ("moee.commands.evaluate", "EvalSettings", []),
+    "quickstart": ("moee.commands.quickstart", "QuickstartSettings", []),
     "upcycle": (
         "moee.commands.upcycle",
         "UpcycleSettings",
@@ -38,13 +40,8 @@ CONVERTED = {
     "simulate": ("moee.commands.simulate", "SimulateSettings", ["--out", "o"]),
     "train": ("moee.commands.train", "TrainSettings", ["--config", TRAIN_CONFIG]),
 }
-#: Commands whose flags are not (all) settings fields yet: convert one, then move it to CONVERTED.
-#: The embedding commands' configuration flags are ``EmbeddingConfig`` fields already; evaluate's
-#: other options and quickstart's are not.
-NOT_CONVERTED = (
-    "evaluate",
-    "quickstart",
-)
+#: Commands whose flags are not (all) settings fields yet (none left): a new command is converted.
+NOT_CONVERTED: tuple[str, ...] = ()
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -140,6 +137,10 @@ def test_a_new_settings_field_becomes_a_flag_with_no_other_edit(command, monkeyp
         ("serve", ["--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
         ("serve", ["--max-batch-tokens", "0"], "max_batch_tokens (--max-batch-tokens) must be a positive"),
         ("serve", ["--batch-wait-ms", "nan"], "batch_wait_ms (--batch-wait-ms) must be a finite number"),
+        ("evaluate", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("evaluate", ["--methods", ","], "--methods must name at least one of: hs, rw"),
+        ("evaluate", ["--methods", "hs,mean"], "unknown method 'mean'"),
+        ("evaluate", ["--prompts", ","], "--prompts must name at least one prompt"),
         ("upcycle", ["--router-std", "nan"], "--router-std must be a finite number >= 0, got nan"),
         ("upcycle", ["--top-k", "5"], "--top-k must be an int in [1, --experts=4], got 5"),
         ("upcycle", ["--min-count", "2"], "--min-count applies to --trim-vocab only"),

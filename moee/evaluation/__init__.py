@@ -23,7 +23,8 @@ _EXPORTS = {
     "load_baseline_encoder": "adapter",
     "offline_tasks": "tasks",
     "choose_alpha": "alpha",
-    "EvalSettings": "runner",
+    "EvalSettings": "settings",
+    "QuickstartSettings": "settings",
     "run_evaluation": "runner",
     "write_tables": "tables",
 }

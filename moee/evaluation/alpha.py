@@ -38,11 +38,10 @@ from scipy.stats import rankdata, spearmanr
 
 from moee.embed.config import EmbeddingConfig, resolve_config
 from moee.embed.validation import check_choice, check_positive_int
+from moee.evaluation.settings import ALPHA_RULES  # re-exported: the rules' names
 
 #: The alpha grid: 2^(k/4) for k = -16..16, i.e. 1/16 ... 16 with 1.0 in the middle.
 ALPHA_GRID: tuple[float, ...] = tuple(float(2.0 ** (k / 4)) for k in range(-16, 17))
-
-ALPHA_RULES = ("spearman", "spread")
 
 
 @dataclass

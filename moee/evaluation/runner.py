@@ -1,6 +1,7 @@
 """Run the evaluation: tasks x prompts x methods (+ the dense baseline), cached with mteb.
 
-``run_evaluation`` is what ``moee evaluate`` and ``moee quickstart`` call. Order of work:
+``run_evaluation`` is what ``moee evaluate`` (through ``run_evaluate``) and ``moee quickstart``
+call, with an :class:`~moee.evaluation.settings.EvalSettings`. Order of work:
 
 1. resolve the tasks (``paper``, ``offline``, ``quick`` or mteb task names) and load their
    data *before* the model, so that a task whose data cannot be had (the paper's suite with
@@ -24,16 +25,13 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moee.embed.config import EmbeddingConfig, resolve_config
-from moee.embed.methods import METHODS
-from moee.embed.validation import check_choice, check_positive_int
+from moee.embed.config import EmbeddingConfig
 from moee.evaluation.adapter import (
     AUTO_ALPHA,
     BASELINE_NAME,
@@ -45,9 +43,9 @@ from moee.evaluation.adapter import (
     model_identity,
     model_name,
 )
-from moee.evaluation.alpha import ALPHA_RULES, choose_alpha
+from moee.evaluation.alpha import choose_alpha
 from moee.evaluation.paper import paper_task_names
-from moee.loading import LoadOptions
+from moee.evaluation.settings import EvalSettings  # re-exported: where it has always been
 
 #: Packages recorded with every run besides ``moee.io.package_versions``'s (baseline, classifiers).
 EVAL_PACKAGES = ("sentence-transformers", "scikit-learn", "scipy", "datasets")
@@ -69,90 +67,6 @@ def quiet_metric_warnings() -> None:
 
 class TaskDataUnavailableError(RuntimeError):
     """A task's dataset could not be loaded (typically: hub dataset, no network)."""
-
-
-@dataclass
-class EvalSettings:
-    """Everything that defines an evaluation run (the CLI fills it from its flags).
-
-    ``methods`` x ``prompts`` span the configurations; ``config`` holds the other configuration
-    fields given explicitly (pooling, score, alpha, the recipe options of ``moee.embed.recipes``);
-    every field not given comes from the model's saved configuration, else the library default
-    (:func:`moee.embed.config.resolve_config`, the rule of ``encode`` and ``moee embed``).
-    ``prompts=None`` is the resolved configuration's one prompt; a prompt may be a tuple (an
-    ensemble) or ``"stability"``. ``alpha="auto"`` (in ``config``) chooses the MoEE(sum) weight per
-    task without labels. ``loading`` says how to load ``model`` (default: on ``device``).
-    """
-
-    model: str | None = None
-    methods: Sequence[str] = METHODS
-    prompts: Sequence[str | Sequence[str] | None] | None = None
-    config: Mapping[str, Any] = field(default_factory=dict)
-    alpha_rule: str = "spearman"
-    tasks: str | Sequence[str] = "offline"
-    out: Path = Path("eval/results/offline")
-    baseline: bool = True
-    batch_size: int = 32
-    device: str | None = None
-    overwrite: bool = False
-    alpha_max_texts: int = 1000
-    command: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    loading: LoadOptions | None = None
-    extra_cells: Sequence[Mapping[str, Any]] = ()
-
-    def base_config(self, model_config: EmbeddingConfig | None = None) -> EmbeddingConfig:
-        """The resolved configuration every cell starts from (``model_config``: the model's saved one)."""
-        return resolve_config(model_config, **self.config)
-
-    def prompt_list(self, model_config: EmbeddingConfig | None = None) -> list[str | tuple[str, ...] | None]:
-        """The prompts evaluated: ``prompts``, else the resolved configuration's prompt."""
-        if self.prompts is None:
-            return [self.base_config(model_config).prompt]
-        return [resolve_config(None, prompt=p).prompt for p in self.prompts]
-
-    def cell_config(
-        self, method: str, prompt: str | Sequence[str] | None, model_config: EmbeddingConfig | None = None
-    ) -> EmbeddingConfig:
-        """The configuration of one (method, prompt) cell; the evaluation always normalises."""
-        return resolve_config(model_config, **{**self.config, "method": method, "prompt": prompt}).replace(
-            normalize=True
-        )
-
-    def cells(self, model_config: EmbeddingConfig | None = None) -> list[EmbeddingConfig]:
-        """Every configuration evaluated: the ``methods`` x prompts grid, then ``extra_cells`` (each
-        the explicit fields of one configuration, method included, resolved by the same rule: e.g.
-        the paper's configuration beside the model's own), without repeats."""
-        grid = [
-            self.cell_config(m, p, model_config) for p in self.prompt_list(model_config) for m in self.methods
-        ]
-        extra = []
-        for cell in self.extra_cells:
-            if not isinstance(cell, Mapping) or "method" not in cell:
-                raise TypeError(
-                    f"each extra cell is a dict of EmbeddingConfig fields with a method, got {cell!r}"
-                )
-            extra.append(resolve_config(model_config, **cell).replace(normalize=True))
-        unique: dict[str, EmbeddingConfig] = {}  # keyed by the result folder's name: one row each
-        for cell in grid + extra:
-            unique.setdefault(json.dumps(cell.experiment_kwargs(), sort_keys=True), cell)
-        return list(unique.values())
-
-    def load_options(self) -> LoadOptions:
-        """How to load ``model``: ``loading``, else the defaults on ``device``."""
-        return self.loading if self.loading is not None else LoadOptions(device=self.device)
-
-    def validate(self, model_config: EmbeddingConfig | None = None) -> None:
-        """Check every cell (before the model loads: under the library defaults)."""
-        if not self.methods:
-            raise ValueError("methods must name at least one of: " + ", ".join(METHODS))
-        if self.prompts is not None and not self.prompts:
-            raise ValueError("prompts must name at least one prompt (use 'none' for no prompt)")
-        if isinstance(self.config, EmbeddingConfig) or not isinstance(self.config, Mapping):
-            raise TypeError("config must be a dict of the EmbeddingConfig fields given explicitly")
-        self.cells(model_config)  # every cell of the grid and every extra cell is a valid configuration
-        check_choice("alpha rule", self.alpha_rule, ALPHA_RULES)
-        check_positive_int("batch_size", self.batch_size)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -394,7 +308,6 @@ def run_evaluation(
     import datasets
     import mteb
 
-    settings.validate()
     datasets.disable_progress_bars()
     out = Path(settings.out)
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -406,9 +319,9 @@ def run_evaluation(
         from moee.embed.embedder import MoEEmbedder
 
         log(f"loading model {settings.model or '(bundled default)'} ...")
-        embedder = MoEEmbedder.from_pretrained(settings.model, settings.load_options())
+        embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
     model_config = model_config_of(embedder)
-    settings.validate(model_config)
+    settings.cells(model_config)  # every cell is a valid configuration of this model too
     base = settings.base_config(model_config)
     prompts = settings.prompt_list(model_config)
     source = "the model's saved configuration" if model_config is not None else "the library defaults"
@@ -495,7 +408,7 @@ def run_evaluation(
                 continue
             if baseline is None:
                 log("loading baseline all-MiniLM-L6-v2 ...")
-                baseline = load_baseline_encoder(device=settings.load_options().device)
+                baseline = load_baseline_encoder(device=settings.load.device)
             seconds = _evaluate(baseline, task, cache, settings)
             timings[f"baseline/{task.metadata.name}"] = round(seconds, 2)
             log(f"[baseline] {task.metadata.name}: {seconds:.1f}s")
@@ -556,3 +469,30 @@ def run_evaluation(
         "config": base,
         "prompts": prompts,
     }
+
+
+def run_evaluate(settings: EvalSettings, *, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The library side of ``moee evaluate``: with ``tables_only`` the tables rebuilt from the cache
+    under ``out``, else :func:`run_evaluation` (and, with ``alpha_sensitivity``, the alpha
+    sensitivity curve); returns the tables' paths and every output by name (``outputs``)."""
+    from moee.evaluation.tables import write_tables
+
+    out = Path(settings.out)
+    if settings.tables_only:
+        paths = write_tables(out, out)
+        return {"tables_md": paths["markdown"], "tables_json": paths["json"], "outputs": {}}
+    from moee.io import check_not_an_input
+
+    check_not_an_input(out, {"--model": settings.model})  # results never land in or around the model
+    summary = run_evaluation(settings, log=log)
+    outputs: dict[str, Any] = {"tables": summary["tables_md"], "tables (JSON)": summary["tables_json"]}
+    if settings.alpha_sensitivity:
+        from moee.evaluation.alpha import write_alpha_sensitivity
+
+        outputs.update(
+            write_alpha_sensitivity(
+                summary["embedder"], out, config=summary["config"], prompts=summary["prompts"]
+            )
+        )
+    outputs.update({"alpha choices": summary["alpha_choices"], "mteb result cache": out / "results"})
+    return {**summary, "outputs": outputs}
