@@ -206,25 +206,17 @@ def run_ablation(
     """Run ``settings``' analysis and write its files; ``command`` (default: ``sys.argv``) is
     recorded in the result and its README. Returns the analysis (``"importance"``, ``"swap"`` or
     ``"steering"``), its result and the output folder."""
-    from moee.analysis.expert_importance import (
-        build_corpus,
-        expert_importance,
-        read_corpus,
-        router_swap,
-        steering_effect,
-    )
-    from moee.analysis.specialization.ablate_results import write_result
+    from moee.analysis.expert_importance import build_corpus, read_corpus
     from moee.capture.registry import find_routers
     from moee.embed.embedder import MoEEmbedder
     from moee.embed.reference import weights_digest
-    from moee.io import StagedFolder, check_output_folder, run_metadata
+    from moee.io import check_output_folder, run_metadata
 
     s = settings
     inputs = {"--model": s.model, "--corpus": s.corpus, "--swap-from": s.swap_from}
     target = check_output_folder(s.out, overwrite=s.overwrite, inputs=inputs, output=ABLATE_OUTPUT)
     embedder = MoEEmbedder.from_pretrained(s.model, s.load)
-    model = embedder.model
-    specs = find_routers(model)
+    specs = find_routers(embedder.model)
     s.check_in_model([spec.n_experts for spec in specs])
     pairs = read_corpus(s.corpus, field=s.field, domain_field=s.domain_field)  # read lazily
     corpus = build_corpus(
@@ -241,37 +233,76 @@ def run_ablation(
         "model": s.model or "bundled default model",
         "weights_digest": weights_digest(embedder),  # what `moee report --ablation` (...) checks
     }
+    if s.swap_from:
+        return "swap", _run_swap(s, embedder.model, corpus, meta, target, shown), target
+    if s.steer:
+        return "steering", _run_steering(s, embedder, corpus, meta, target, shown), target
+    return "importance", _run_importance(s, embedder.model, specs, corpus, meta, target, shown), target
+
+
+def _nulls(s: AblateSettings) -> dict[str, Any]:
+    """The null's keywords of the router swap and steering analyses."""
     nulls: dict[str, Any] = {"null": not s.no_null, "seed": s.seed}
     if s.null_draws is not None:
         nulls["null_draws"] = s.null_draws
-    if s.swap_from:
-        from moee.loading import load_model
+    return nulls
 
-        donor = load_model(s.swap_from, s.load, tokenizer=False).model.eval()
-        result = {
-            **router_swap(model, donor, corpus, batch_size=s.batch_size, **nulls),
-            "donor": s.swap_from,
-            "donor_digest": weights_digest(SimpleNamespace(name_or_path=s.swap_from, model=donor)),
-            "meta": meta,
-        }
-        with StagedFolder(target, ABLATE_OUTPUT) as out:
-            write_result(out / "swap.json", result)  # sealed: `moee report` refuses an edit
-            domains = list(result["base"]["loss_by_domain"])
-            _write_csv(out / "swap.csv", result["swaps"], domains)
-            (out / "README.md").write_text(swap_markdown(result, shown), encoding="utf-8")
-        return "swap", result, target
-    if s.steer:
-        biases = dict(s.steer)
-        rows = read_corpus(s.corpus, field=s.field, domain_field=s.domain_field)
-        texts = [t for t, _ in islice(rows, s.steer_texts)]
-        result = {
-            **steering_effect(embedder, corpus, texts, biases, batch_size=s.batch_size, **nulls),
-            "meta": meta,
-        }
-        with StagedFolder(target, ABLATE_OUTPUT) as out:
-            write_result(out / "steering.json", result)
-            (out / "README.md").write_text(steering_markdown(result, shown), encoding="utf-8")
-        return "steering", result, target
+
+def _run_swap(
+    s: AblateSettings, model: Any, corpus: Any, meta: dict, target: Path, shown: str
+) -> dict[str, Any]:
+    """The router swap with ``s.swap_from``'s routers, written as swap.json, swap.csv and README.md."""
+    from moee.analysis.expert_importance import router_swap
+    from moee.analysis.specialization.ablate_results import write_result
+    from moee.embed.reference import weights_digest
+    from moee.io import StagedFolder
+    from moee.loading import load_model
+
+    donor = load_model(s.swap_from, s.load, tokenizer=False).model.eval()
+    result = {
+        **router_swap(model, donor, corpus, batch_size=s.batch_size, **_nulls(s)),
+        "donor": s.swap_from,
+        "donor_digest": weights_digest(SimpleNamespace(name_or_path=s.swap_from, model=donor)),
+        "meta": meta,
+    }
+    with StagedFolder(target, ABLATE_OUTPUT) as out:
+        write_result(out / "swap.json", result)  # sealed: `moee report` refuses an edit
+        domains = list(result["base"]["loss_by_domain"])
+        _write_csv(out / "swap.csv", result["swaps"], domains)
+        (out / "README.md").write_text(swap_markdown(result, shown), encoding="utf-8")
+    return result
+
+
+def _run_steering(
+    s: AblateSettings, embedder: Any, corpus: Any, meta: dict, target: Path, shown: str
+) -> dict[str, Any]:
+    """The steering effect of ``s.steer``'s biases, written as steering.json and README.md."""
+    from moee.analysis.expert_importance import read_corpus, steering_effect
+    from moee.analysis.specialization.ablate_results import write_result
+    from moee.io import StagedFolder
+
+    biases = dict(s.steer)
+    rows = read_corpus(s.corpus, field=s.field, domain_field=s.domain_field)
+    texts = [t for t, _ in islice(rows, s.steer_texts)]
+    result = {
+        **steering_effect(embedder, corpus, texts, biases, batch_size=s.batch_size, **_nulls(s)),
+        "meta": meta,
+    }
+    with StagedFolder(target, ABLATE_OUTPUT) as out:
+        write_result(out / "steering.json", result)
+        (out / "README.md").write_text(steering_markdown(result, shown), encoding="utf-8")
+    return result
+
+
+def _run_importance(
+    s: AblateSettings, model: Any, specs: list, corpus: Any, meta: dict, target: Path, shown: str
+) -> dict[str, Any]:
+    """Expert importance of the selected experts (``--experts``, else every expert of ``--layers``,
+    else all), written as importance.json, experts.csv and README.md."""
+    from moee.analysis.expert_importance import expert_importance
+    from moee.analysis.specialization.ablate_results import write_result
+    from moee.io import StagedFolder
+
     experts = list(s.experts) if s.experts is not None else None
     if s.layers is not None and experts is None:  # layers and experts were checked above
         experts = [(i, e) for i in s.layers for e in range(specs[i].n_experts)]
@@ -292,4 +323,4 @@ def run_ablation(
         write_result(out / "importance.json", result)
         _write_csv(out / "experts.csv", result["experts"], list(result["domains"]))
         (out / "README.md").write_text(importance_markdown(result, shown), encoding="utf-8")
-    return "importance", result, target
+    return result

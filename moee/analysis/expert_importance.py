@@ -402,16 +402,7 @@ def expert_importance(
             ),
             batch_size=batch_size,
         )
-        delta, by_domain = _effect(base, loss)
-        row: dict[str, Any] = {
-            "layer": layer,
-            "expert": expert,
-            "router": specs[layer].name,
-            "load": float(base.load[layer, expert]),
-            "max_activation": float(base.max_activation[layer, expert]),
-            "delta": delta,
-            "delta_by_domain": by_domain,
-        }
+        row = _row(base, specs[layer].name, layer, expert, *_effect(base, loss))
         if null:
             rate = float(base.load[layer, expert])
             loss = intervention_loss(
@@ -435,12 +426,62 @@ def expert_importance(
         if progress is not None:
             progress(n + 1, len(experts))
     ablation_seconds, ablation_cpu = time.perf_counter() - t0, time.process_time() - c0
+    _rank(rows)
+    return {
+        "n_tokens": len(base.losses),
+        "domains": {
+            d: int(c)
+            for d, c in zip(base.domain_names, torch.bincount(base.domains, minlength=len(base.domain_names)))
+        },
+        "mode": mode,
+        "renormalize": renormalize,
+        "base": {"loss": float(base.losses.double().mean()), "loss_by_domain": base.by_domain(base.losses)},
+        "layers": [s.name for s in specs],
+        "n_experts": [s.n_experts for s in specs],
+        "null": LOAD_MATCHED_NULL if null else None,
+        "experts": rows,
+        "spearman_importance_load": _importance_load_correlation(rows, null),
+        "super_experts": super_experts(
+            model, corpus, base, mode=mode, renormalize=renormalize, ratio=super_ratio, batch_size=batch_size
+        ),
+        "cost": _cost(base, len(rows), null, ablation_seconds, ablation_cpu),
+    }
+
+
+#: How the load-matched null is drawn, as every result records it.
+LOAD_MATCHED_NULL = (
+    "load-matched: each token, with probability the expert's load, loses one of its k selected "
+    "experts drawn uniformly (same layer, same mode)"
+)
+
+
+def _row(
+    base: Baseline, router: str, layer: int, expert: int, delta: float, by_domain: dict
+) -> dict[str, Any]:
+    """One expert's result row: where it is, its load and largest activation, its loss change."""
+    return {
+        "layer": layer,
+        "expert": expert,
+        "router": router,
+        "load": float(base.load[layer, expert]),
+        "max_activation": float(base.max_activation[layer, expert]),
+        "delta": delta,
+        "delta_by_domain": by_domain,
+    }
+
+
+def _rank(rows: list[dict[str, Any]]) -> None:
+    """Give every row its ``importance_rank`` and ``load_rank`` (1 = largest)."""
     by_importance = sorted(range(len(rows)), key=lambda j: -rows[j]["delta"])
     by_load = sorted(range(len(rows)), key=lambda j: -rows[j]["load"])
     for rank, j in enumerate(by_importance, start=1):
         rows[j]["importance_rank"] = rank
     for rank, j in enumerate(by_load, start=1):
         rows[j]["load_rank"] = rank
+
+
+def _importance_load_correlation(rows: list[dict[str, Any]], null: bool) -> dict[str, Any]:
+    """Spearman(importance, load) pooled and per layer, and of the excess over the null when it ran."""
     layers = sorted({r["layer"] for r in rows})
     correlation = {
         "pooled": spearman([r["delta"] for r in rows], [r["load"] for r in rows]),
@@ -454,39 +495,18 @@ def expert_importance(
     }
     if null:
         correlation["pooled_excess"] = spearman([r["excess"] for r in rows], [r["load"] for r in rows])
+    return correlation
+
+
+def _cost(base: Baseline, n_rows: int, null: bool, seconds: float, cpu: float) -> dict[str, float]:
+    """What the ablation cost: its passes (two per expert with the null), seconds and throughput."""
     return {
-        "n_tokens": len(base.losses),
-        "domains": {
-            d: int(c)
-            for d, c in zip(base.domain_names, torch.bincount(base.domains, minlength=len(base.domain_names)))
-        },
-        "mode": mode,
-        "renormalize": renormalize,
-        "base": {"loss": float(base.losses.double().mean()), "loss_by_domain": base.by_domain(base.losses)},
-        "layers": [s.name for s in specs],
-        "n_experts": [s.n_experts for s in specs],
-        "null": (
-            "load-matched: each token, with probability the expert's load, loses one of its k selected "
-            "experts drawn uniformly (same layer, same mode)"
-            if null
-            else None
-        ),
-        "experts": rows,
-        "spearman_importance_load": correlation,
-        "super_experts": super_experts(
-            model, corpus, base, mode=mode, renormalize=renormalize, ratio=super_ratio, batch_size=batch_size
-        ),
-        "cost": {
-            "baseline_seconds": base.seconds,
-            "ablation_seconds": ablation_seconds,
-            "passes": len(rows) * (2 if null else 1),
-            "seconds_per_expert": ablation_seconds / max(len(rows), 1),
-            "cpu_seconds_per_expert": ablation_cpu / max(len(rows), 1),
-            "tokens_per_second": len(base.losses)
-            * len(rows)
-            * (2 if null else 1)
-            / max(ablation_seconds, 1e-9),
-        },
+        "baseline_seconds": base.seconds,
+        "ablation_seconds": seconds,
+        "passes": n_rows * (2 if null else 1),
+        "seconds_per_expert": seconds / max(n_rows, 1),
+        "cpu_seconds_per_expert": cpu / max(n_rows, 1),
+        "tokens_per_second": len(base.losses) * n_rows * (2 if null else 1) / max(seconds, 1e-9),
     }
 
 
