@@ -17,12 +17,14 @@ checked against ``encode`` of its text (max abs difference reported).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,37 +33,82 @@ from moee.benchmarking import length_mix_texts, write_result
 from moee.embed.embedder import MoEEmbedder
 from moee.serving.app import ServerSettings, create_app, serve_in_thread
 
+#: One client's way of embedding a text: ``embed(text) -> vector``, open while its context lasts.
+Connect = Callable[[str], contextlib.AbstractContextManager[Callable[[str], np.ndarray]]]
+
+
+@contextlib.contextmanager
+def http_connection(url: str) -> Iterator[Callable[[str], np.ndarray]]:
+    """One keep-alive ``http.client`` connection posting float JSON (the least client cost)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+
+    def embed(text: str) -> np.ndarray:
+        body = json.dumps({"input": [text], "encoding_format": "float"})
+        conn.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+        response = conn.getresponse()
+        doc = json.loads(response.read())
+        if response.status != 200:
+            raise RuntimeError(f"{response.status} {doc}")
+        return np.asarray(doc["data"][0]["embedding"], np.float32)
+
+    try:
+        yield embed
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def openai_connection(
+    url: str, model: str | None = None, timeout: float = 120
+) -> Iterator[Callable[[str], np.ndarray]]:
+    """The official ``openai`` client, as a user queries ``moee serve`` (its default base64
+    vectors); ``model`` is the served model's id (``None``: asked of ``GET /v1/models``)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
+    served = model or client.models.list().data[0].id
+
+    def embed(text: str) -> np.ndarray:
+        response = client.embeddings.create(model=served, input=[text])
+        return np.asarray(response.data[0].embedding, np.float32)
+
+    try:
+        yield embed
+    finally:
+        client.close()
+
 
 def run_clients(
-    url: str, texts: list[str], concurrency: int, deadline: float
+    url: str,
+    texts: list[str],
+    concurrency: int,
+    deadline: float,
+    connect: Connect = http_connection,
 ) -> tuple[float, list[float], np.ndarray]:
-    """Send every text as its own request from ``concurrency`` threads; wall seconds, per-request
-    latencies and the vectors in text order."""
-    host, port = url.removeprefix("http://").split(":")
+    """Send every text as its own request from ``concurrency`` threads, each holding one
+    ``connect(url)`` client; wall seconds, per-request latencies and the vectors in text order."""
     out: list[np.ndarray | None] = [None] * len(texts)
     latencies: list[float] = []
     lock = threading.Lock()
     cursor = iter(range(len(texts)))
 
     def worker() -> None:
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        while time.monotonic() < deadline:
-            with lock:
-                i = next(cursor, None)
-            if i is None:
-                break
-            body = json.dumps({"input": [texts[i]], "encoding_format": "float"})
-            start = time.perf_counter()
-            conn.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
-            response = conn.getresponse()
-            doc = json.loads(response.read())
-            elapsed = time.perf_counter() - start
-            if response.status != 200:
-                raise RuntimeError(f"request {i}: {response.status} {doc}")
-            out[i] = np.asarray(doc["data"][0]["embedding"], np.float32)
-            with lock:
-                latencies.append(elapsed)
-        conn.close()
+        with connect(url) as embed:
+            while time.monotonic() < deadline:
+                with lock:
+                    i = next(cursor, None)
+                if i is None:
+                    break
+                start = time.perf_counter()
+                try:
+                    vector = embed(texts[i])
+                except Exception as exc:
+                    raise RuntimeError(f"request {i}: {exc}") from exc
+                elapsed = time.perf_counter() - start
+                out[i] = vector
+                with lock:
+                    latencies.append(elapsed)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:

@@ -37,7 +37,8 @@ for name in "${selected[@]}"; do
       rm -rf build/moee-before && mkdir -p build/moee-before
       git archive f7f5ffb~1 moee | tar -x -C build/moee-before
       run scripts/bench_long_texts.py --before build/moee-before ;;
-    gpu_smoke) run scripts/gpu_check.py --tiny --out /tmp/gpu_check_tiny.json ;;
+    gpu_smoke)  # the GPU check's CPU dry run: its results and page go to /tmp, never to bench/results
+      PYTHON="$PY" nice -n "${NICE:-10}" bash scripts/gpu_check.sh --tiny --out /tmp/gpu_check_tiny ;;
     *) echo "unknown benchmark: $name (capture pipeline moe_layer training search recipes report serve ablate long_texts gpu_smoke)" >&2; exit 2 ;;
   esac
 done

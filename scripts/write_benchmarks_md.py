@@ -22,7 +22,7 @@ COMMANDS = {
     "training": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_training.py --profile",
     "search": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py",
     "search_isotropic": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_search.py --isotropic",
-    "gpu_check": "python scripts/gpu_check.py   # on a GPU machine; --tiny for a CPU smoke test",
+    "gpu_check": "bash scripts/gpu_check.sh   # on a GPU machine; --tiny --out DIR for the CPU dry run",
     "recipes": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py",
     "serve": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_serve.py",
     "ablate": "nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py",
@@ -719,31 +719,141 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     return lines, rows
 
 
+GPU_SECTIONS = ("model", "encode", "capture_overhead", "st_batching", "serve", "search", "moe_layer")
+
+
+def _gpu_outcomes(g: dict) -> str:
+    """Each section of a gpu_check result: ok, skipped (why) or failed."""
+    parts = []
+    for name in GPU_SECTIONS:
+        got = g.get(name)
+        if got is None:
+            parts.append(f"{name} not recorded")
+        elif "skipped" in got:
+            parts.append(f"{name} skipped ({got['skipped']})")
+        elif "error" in got:
+            parts.append(f"{name} **failed** (`{got['error']}`)")
+        else:
+            parts.append(f"{name} ok")
+    return "; ".join(parts)
+
+
+def _figures(got: dict | None) -> bool:
+    return bool(got) and "skipped" not in got and "error" not in got
+
+
 def gpu_section(g: dict | None) -> list[str]:
-    lines = ["## GPU check (`scripts/gpu_check.py`)", ""]
+    lines = ["## GPU check (`scripts/gpu_check.sh`)", ""]
+    about = (
+        "`bash scripts/gpu_check.sh` (under 8 minutes on one H200; writes `bench/results/gpu_check.json` and "
+        "regenerates this file) measures, on a randomly initialised OLMoE-1B-7B-sized model in bf16: encode "
+        'throughput; capture overhead (`encode(method="rw")` vs a plain forward of the same batches); `encode` vs '
+        "sentence-transformers-style batching (texts sorted by length, fixed batches, a plain forward, mean "
+        "pooling); the server under 1, 8 and 32 concurrent `openai` clients (texts/s, p50/p99 latency, ratio to "
+        "offline encode); faiss search on the GPU (with `pip install 'moee[gpu]'`); and the MoE layer on the GPU. "
+        "Each section has its own time budget and records its figures, a skip reason or its error. "
+        "`bash scripts/gpu_check.sh --tiny --out DIR` is its CPU dry run with the tiny model."
+    )
     if g is None or g.get("tiny"):
         lines += [
-            "No GPU machine was lent to this session, so the GPU figures are not measured here. On a GPU machine run "
-            "`python scripts/gpu_check.py` (under 5 minutes on one H200; writes `bench/results/gpu_check.json`): bf16 "
-            "encode throughput of a randomly initialised OLMoE-1B-7B-sized model, capture overhead, faiss GPU search "
-            "(with `pip install 'moee[gpu]'`), and the MoE layer comparison on the GPU. "
-            "`python scripts/gpu_check.py --tiny` is its CPU smoke test.",
+            "No GPU machine was lent to this session, so the GPU figures are not measured here. " + about,
             "",
         ]
         if g is not None:
             lines += [
-                f"Smoke test ({g['device']}, tiny): {g['total_seconds']:.0f} s, errors: {list(g['errors']) or 'none'}.",
+                f"Dry run ({g['device']}, tiny model, {g.get('utc', '')}): {g['total_seconds']:.0f} s; "
+                f"{_gpu_outcomes(g)}. Its figures are a smoke test, not results.",
                 "",
             ]
         return lines
-    lines += [f"Command: `{g['command']}` on {g['machine'].get('gpu', g['device'])}", "", "```json"]
-    lines.append(
-        json.dumps(
-            {k: g.get(k) for k in ("model", "encode", "capture_overhead", "search", "moe_layer", "errors")},
-            indent=2,
+    gpu = g.get("cuda", {}).get("name") or g["machine"].get("gpu", g["device"])
+    lines += [_command(g), about, "", f"On {gpu}: {g['total_seconds']:.0f} s. {_gpu_outcomes(g)}.", ""]
+    if g.get("stopped"):
+        lines += [f"The run was stopped: {g['stopped']}.", ""]
+    model, rows = g.get("model"), []
+    if _figures(model):
+        lines += [
+            f"Model: {model['model_type']}, hidden {model['hidden_size']}, {model['layers']} layers, "
+            f"{model['experts']} experts, top-{model['top_k']}, {model['params_billion']:.2f}B parameters, "
+            f"{model['dtype']}.",
+            "",
+        ]
+    enc = g.get("encode")
+    if _figures(enc):
+        rows.append(
+            [
+                "encode throughput",
+                f"{enc['texts_per_s']:,.0f} texts/s, {enc['tokens_per_s']:,.0f} real tokens/s "
+                f"({enc['texts']} texts, {enc['real_tokens']:,} tokens, batch {enc['batch_size']})",
+            ]
         )
-    )
-    lines += ["```", ""]
+    cap = g.get("capture_overhead")
+    if _figures(cap):
+        rows.append(
+            [
+                f"capture overhead, goal {cap['goal']}",
+                f"encode(rw) / plain forward {_x(cap['median_ratio_encode_rw_vs_plain'])}",
+            ]
+        )
+    st = g.get("st_batching")
+    if _figures(st):
+        speed, tok = st["speedup_vs_st_style"], st["tokens"]
+        rows.append(
+            [
+                "encode vs sentence-transformers-style batching (> 1x: encode faster)",
+                f"HS mean {_x(speed['encode_hs_mean'])}, MoEE (sum) mean {_x(speed['encode_moee_sum_mean'])}; "
+                f"padded tokens {tok['encode_padded']:,} vs {tok['st_style_padded']:,}; "
+                f"min cosine to encode's HS mean {st['min_cosine_st_style_vs_encode_hs_mean']:.4f}",
+            ]
+        )
+    lines += ["| figure | measured |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows), ""]
+    serve = g.get("serve")
+    if _figures(serve):
+        off = serve["offline_encode"]
+        diffs = [v["max_abs_diff_vs_encode"] for v in serve["concurrency"].values() if "error" not in v]
+        lines += [
+            f"Serving: {serve['texts']} texts, one per request, `openai` clients as threads of the server's "
+            f"process on 127.0.0.1; offline encode of the same texts (batch {off['batch_size']}): "
+            f"{off['texts_per_s']:,.1f} texts/s"
+            + (f"; responses within {max(diffs):.1e} of `encode` (max abs difference)" if diffs else "")
+            + ".",
+            "",
+            "| concurrent clients | texts/s | p50 latency ms | p99 latency ms | vs offline encode |",
+            "|---|---|---|---|---|",
+        ]
+        for key, v in serve["concurrency"].items():
+            if "error" in v:
+                lines.append(f"| {key[1:]} | **failed**: `{v['error']}` | | | |")
+            else:
+                lines.append(
+                    f"| {key[1:]} | {v['texts_per_s']:,.1f} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | "
+                    f"{_x(v['vs_offline_encode'])} |"
+                )
+        lines.append("")
+    search = g.get("search")
+    if _figures(search):
+        recall = search.get("recall_at_k", {})
+        lines += [
+            f"Search ({search['n']:,} x {search['dim']}, {search['queries']} queries, k={search['k']}): "
+            + ", ".join(
+                f"{name} {qps:,.0f} queries/s"
+                + (f" (recall {recall[name]:.3f})" if isinstance(recall.get(name), float) else "")
+                for name, qps in search["queries_per_s"].items()
+            )
+            + (f". faiss GPU: {search['faiss_gpu_skipped']}" if search.get("faiss_gpu_skipped") else "")
+            + ".",
+            "",
+        ]
+    moe = g.get("moe_layer")
+    if _figures(moe):
+        lines += [
+            f"MoE layer (forward+backward, {moe['config']['tokens']} tokens): "
+            + ", ".join(f"{name} {tps:,.0f} tokens/s" for name, tps in moe["tokens_per_s"].items())
+            + "; ours vs "
+            + ", ".join(f"{name} {_x(r)}" for name, r in moe["speedup_of_ours"].items())
+            + ".",
+            "",
+        ]
     return lines
 
 
@@ -873,11 +983,13 @@ def machine_lines(results: list[dict]) -> list[str]:
     ]
 
 
-def render(results_dir: Path, capture_json: Path) -> str:
+def render(results_dir: Path, capture_json: Path, gpu_json: Path | None = None) -> str:
+    """BENCHMARKS.md from ``results_dir``; ``gpu_json`` replaces its ``gpu_check.json`` (a dry run's)."""
     get = lambda name: _load(results_dir / f"{name}.json")  # noqa: E731
-    pipeline, moe, training, search, iso, gpu = (
-        get(n) for n in ("pipeline", "moe_layer", "training", "search", "search_isotropic", "gpu_check")
+    pipeline, moe, training, search, iso = (
+        get(n) for n in ("pipeline", "moe_layer", "training", "search", "search_isotropic")
     )
+    gpu = _load(gpu_json) if gpu_json is not None else get("gpu_check")
     extra_pipelines = [_load(p) for p in sorted(results_dir.glob("pipeline_*.json"))]
     parts = [
         capture_section(_load(capture_json)),
@@ -923,8 +1035,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--capture", type=Path, default=ROOT / "docs" / "bench_capture.json")
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument(
+        "--gpu-check",
+        type=Path,
+        default=None,
+        help="the gpu_check result to use (default: the results folder's)",
+    )
     args = parser.parse_args(argv)
-    args.out.write_text(render(args.results, args.capture))
+    if args.gpu_check is not None and not args.gpu_check.is_file():
+        parser.error(f"--gpu-check {args.gpu_check}: no such file (scripts/gpu_check.sh writes it)")
+    args.out.write_text(render(args.results, args.capture, args.gpu_check))
     print(f"wrote {args.out}")
     return 0
 
