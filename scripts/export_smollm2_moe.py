@@ -10,6 +10,12 @@ assembled weights, checked by `moee.moe.delta.assemble`), ``moee_embedding.json`
 windows, and the load of every layer's router (max/mean of the top-k selections, dead experts) on
 whole held-out documents routed as a user's texts are. The assembly is checked here: the model
 rebuilt from the base and the delta must give the checkpoint's logits exactly.
+
+Before the delta is written, the loss-free routers' selection biases settle with every weight
+frozen (``moee.moe.trainer.calibrate_router_biases``, ``--calibrate-steps``): whole *training*
+documents, each routed alone as a user's text is, with the bias step decaying to zero. Training
+balances the 256-token windows it sees; this balances what the embedder sees. The held-out
+documents measure the result.
 """
 
 from __future__ import annotations
@@ -85,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the delta's stored precision (default %(default)s: half the bytes; every figure is "
         "measured on the model assembled from the stored delta)",
     )
+    parser.add_argument("--train", default="build/corpus/train.jsonl", help="documents to calibrate on")
+    parser.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=64,
+        help="bias calibration steps (0: none; default %(default)s)",
+    )
+    parser.add_argument("--calibrate-documents", type=int, default=8, help="documents per calibration step")
+    parser.add_argument("--calibrate-gamma", type=float, default=2e-3, help="first bias step, decaying to 0")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -93,12 +108,41 @@ def main(argv: list[str] | None = None) -> int:
     from moee.io import iter_jsonl, write_json_atomic
     from moee.models.smollm2 import GGUF_NAME, GGUF_SHA256, PACKAGE, PACKAGE_VERSION, dense_base, file_sha256
     from moee.moe.delta import MANIFEST_FILE, assemble, build_from_delta, save_delta
-    from moee.moe.trainer import eval_windows, load_tokens, tokenize_to_file
+    from moee.moe.trainer import (
+        DocumentSampler,
+        calibrate_router_biases,
+        eval_windows,
+        load_tokens,
+        tokenize_to_file,
+    )
     from moee.moe.upcycled import MoEEUpcycledForCausalLM
     from moee.provenance import package_versions
 
     base = dense_base()
     model = MoEEUpcycledForCausalLM.from_pretrained(args.checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    calibration = None
+    if args.calibrate_steps:
+        documents = DocumentSampler.from_jsonl(
+            args.train, tokenizer, SEQ_LEN, seed=0, limit=args.calibrate_steps * args.calibrate_documents
+        )
+        calibrate_router_biases(
+            model,
+            None,
+            0,
+            0,
+            args.calibrate_steps,
+            args.calibrate_gamma,
+            documents=documents,
+            documents_per_step=args.calibrate_documents,
+        )
+        model.eval()
+        calibration = {
+            "steps": args.calibrate_steps,
+            "documents_per_step": args.calibrate_documents,
+            "gamma": args.calibrate_gamma,
+            "source": args.train,
+        }
     out = save_delta(
         model,
         args.out,
@@ -124,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
             },
         },
     )
-    tokenizer = AutoTokenizer.from_pretrained(base)
     texts = [row["text"] for _, row in iter_jsonl(args.heldout)]
     windows = eval_windows(
         load_tokens(tokenize_to_file(args.heldout, tokenizer, "build/tokens")), SEQ_LEN, WINDOWS
@@ -156,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             "dead": sum(r["dead"] for r in load),
             "layers": load,
         },
+        "bias_calibration": calibration,
         "delta_bytes": (out / "delta.safetensors").stat().st_size,
         "versions": package_versions(("moee", "torch", "transformers", "tokenizers"), omit_missing=()),
         "command": "python scripts/export_smollm2_moe.py "

@@ -10,7 +10,6 @@ import torch
 
 from moee.capture import RoutingRecorder
 from moee.capture.tiny import tiny_tokenizer
-from moee.embed import embedder as embedder_module
 from moee.embed.embedder import MoEEmbedder, RoutingTrace
 
 TEXTS = [
@@ -196,8 +195,14 @@ def test_from_pretrained_roundtrip(tiny_embedder, tmp_path):
 
 
 def test_from_pretrained_default_missing(monkeypatch, tmp_path):
-    monkeypatch.setattr(embedder_module, "DEFAULT_MODEL_DIR", tmp_path / "default-model")
-    with pytest.raises(FileNotFoundError, match="default model is not installed"):
+    import dataclasses
+
+    from moee.models import bundled
+
+    default = bundled.BUNDLED[bundled.DEFAULT_MODEL]
+    missing = dataclasses.replace(default, config_dir=tmp_path / "default-model")
+    monkeypatch.setitem(bundled.BUNDLED, bundled.DEFAULT_MODEL, missing)
+    with pytest.raises(FileNotFoundError, match=f"shipped model '{bundled.DEFAULT_MODEL}' is not installed"):
         MoEEmbedder.from_pretrained()
 
 

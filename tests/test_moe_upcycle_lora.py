@@ -121,6 +121,23 @@ def test_trained_routing_matters_disabling_an_expert_or_permuting_a_router_chang
     assert not torch.allclose(logits(model), base)
 
 
+@pytest.mark.parametrize("mode", ["reselect", "zero"])
+def test_moee_interventions_reach_the_lora_experts(mode):
+    """``disable_experts`` acts on a lora model in both modes: ``zero`` edits the dispatch at the
+    adapters' call, which the layer must make as a module call (it called ``dispatch_combine``
+    directly, so the hook never fired and zeroing an expert silently changed nothing)."""
+    from moee.capture.interventions import disable_experts
+
+    model = lora(n_experts=4, top_k=2)
+    train_adapters(model)
+    base = logits(model)
+    chosen = [(0, e) for e in range(3)] if mode == "zero" else [(0, 0)]
+    with disable_experts(model, chosen, mode=mode):
+        off = logits(model)
+    assert not torch.allclose(off, base)
+    assert torch.equal(logits(model), base)  # undone on exit
+
+
 def test_a_lora_model_saves_and_loads_to_the_same_logits(tmp_path):
     model = lora()
     train_adapters(model)

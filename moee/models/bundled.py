@@ -44,7 +44,13 @@ class BundledModel:
     build: Callable[[], Path] | None = None
 
     def folder(self) -> Path:
-        """The model folder to load (assembled and cached on first use when the model is a delta)."""
+        """The model folder to load (assembled and cached on first use when the model is a delta);
+        a shipped folder that lost its files is named, not handed to transformers as a Hub id."""
+        if not (self.config_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the shipped model {self.name!r} is not installed: {self.config_dir} has no config.json "
+                "(reinstall moee, e.g. `pip install -e .` from a full checkout)"
+            )
         return self.build() if self.build is not None else self.config_dir
 
 

@@ -373,6 +373,13 @@ class LoRAExperts(nn.Module):
         """Adapter ``e`` on hidden rows ``h [n, d_hidden]``."""
         return (h @ self.lora_a[e]) @ self.lora_b[e]
 
+    def forward(
+        self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``sum_j weights[:, j] * adapter_{indices[:, j]}(h)`` ``[n, d_model]``: a module call, so
+        hooks on the experts (``moee.capture.interventions``' dispatch edits) see every dispatch."""
+        return dispatch_combine(h, weights, indices, self, mask)
+
     def grouped_forward(self, h_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every adapter on its contiguous slice of ``h_sorted`` (rows sorted by expert)."""
         pieces = [
@@ -452,7 +459,7 @@ class UpcycledMoEFFN(nn.Module):
         """The experts' part of the output (plus the shared expert's), before the output bias."""
         if self.mode == "lora":  # W_down h + sum_j w_j B_j A_j h, the weights summing to 1
             h = self.shared.hidden(0, x)
-            return h @ self.shared.w_out[0] + dispatch_combine(h, weights, indices, self.experts, mask)
+            return h @ self.shared.w_out[0] + self.experts(h, weights, indices, mask)
         if self.mode == "split":
             weights = weights - weights.detach() + 1.0  # value exactly 1, gradient of the gate
         out = self.experts(x, weights, indices, mask)
