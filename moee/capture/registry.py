@@ -13,7 +13,7 @@ the architecture's rule. Everything known per architecture (scoring rules, route
 differently, selection formats, where a selection-only bias lives, top-k and expert-count keys)
 is in :mod:`moee.capture.architectures`; it is re-exported here.
 
-Deliberate choices (also in the README support table):
+Deliberate choices (also in the support table, docs/support_table.md):
 
 * Dense (non-MoE) decoder layers have no router and are skipped; :func:`router_report` lists them.
 * JetMoE has routers in its attention (mixture of attention heads) as well as in its MLP;

@@ -26,6 +26,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def resolve_tasks(spec: str | Sequence[str]) -> list[Any]:
     else:
         names = list(spec)
     if not names:
-        raise ValueError("no tasks given; use 'paper', 'offline', 'quick' or task names")
+        raise ValueError("no tasks given; use 'paper', 'offline', 'quick', 'mini' or task names")
     out = []
     for name in names:
         if name in ("paper", "offline", "quick", "mini"):
@@ -290,6 +291,266 @@ def choose_task_alphas(
     return choices
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every part of one run shares: the settings, the model, mteb's result cache and the two
+    records kept as it goes (the label-free alpha choices, rewritten after each new choice so an
+    interrupted run keeps them, and the seconds of each evaluation)."""
+
+    settings: EvalSettings
+    embedder: Any
+    revision: str
+    cache: Any  # mteb.ResultCache under settings.out
+    alpha_path: Path
+    all_choices: dict[str, dict[str, dict[str, dict[str, Any]]]]  # alpha key -> prompt -> task -> choice
+    timings: dict[str, float]
+    log: Callable[[str], None]
+
+    def write_alpha_choices(self) -> None:
+        self.alpha_path.write_text(json.dumps(self.all_choices, indent=2) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """The run's configuration resolved against the loaded model (its saved configuration, if any)."""
+
+    model_config: Any
+    base: EmbeddingConfig
+    prompts: list[Any]
+    cells: list[EmbeddingConfig]
+
+
+def _tasks_and_embedder(
+    settings: EvalSettings, embedder: Any, tasks: Sequence[Any] | None, log: Callable[[str], None]
+) -> tuple[Sequence[Any], Any]:
+    """The tasks with their data loaded, then the model: data that cannot be had fails before the
+    (slow) model load."""
+    if tasks is None:
+        tasks = resolve_tasks(settings.tasks)
+    log(f"tasks: {', '.join(t.metadata.name for t in tasks)}")
+    load_task_data(tasks)
+    if embedder is None:
+        from moee.embed.embedder import MoEEmbedder
+
+        log(f"loading model {settings.model or '(bundled default)'} ...")
+        embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
+    return tasks, embedder
+
+
+def _resolve(settings: EvalSettings, embedder: Any, log: Callable[[str], None]) -> _Resolved:
+    """Every cell checked as a configuration of this model, and the base configuration logged with
+    where its values came from."""
+    model_config = model_config_of(embedder)
+    cells = settings.cells(model_config)  # every cell is a valid configuration of this model too
+    base = settings.base_config(model_config)
+    prompts = settings.prompt_list(model_config)
+    source = "the model's saved configuration" if model_config is not None else "the library defaults"
+    given = ", ".join(sorted(settings.config)) or "none"
+    shown = {k: v for k, v in base.experiment_kwargs().items() if k not in ("method", "prompt")}
+    log(f"configuration {shown} (given: {given}; the rest from {source})")
+    return _Resolved(model_config, base, prompts, cells)
+
+
+def _start_run(
+    settings: EvalSettings,
+    embedder: Any,
+    groups: dict[tuple, list[EmbeddingConfig]],
+    log: Callable[[str], None],
+) -> _Run:
+    """The result cache and the records of earlier runs under ``out``: ``--overwrite`` drops the
+    alpha choices of this run's configurations and every timing."""
+    import mteb
+
+    out = Path(settings.out)
+    revision = model_identity(embedder)[1]
+    alpha_path = out / "alpha_choices.json"
+    all_choices = json.loads(alpha_path.read_text(encoding="utf-8")) if alpha_path.is_file() else {}
+    if settings.overwrite:
+        for group in groups.values():
+            all_choices.pop(_alpha_key(embedder, revision, group[0]), None)
+    timings_path = out / "timings.json"
+    # a cell the cache already holds keeps the seconds measured when it ran (a rerun that only
+    # rebuilds the tables from the cache must not erase them)
+    timings = (
+        {}
+        if settings.overwrite or not timings_path.is_file()
+        else json.loads(timings_path.read_text(encoding="utf-8"))
+    )
+    cache = mteb.ResultCache(out)
+    return _Run(settings, embedder, revision, cache, alpha_path, all_choices, timings, log)
+
+
+def _feature_groups(cells: Sequence[EmbeddingConfig]) -> dict[tuple, list[EmbeddingConfig]]:
+    """The cells by the features they share: one forward pass per text serves a whole group (all
+    methods of a prompt)."""
+    groups: dict[tuple, list[EmbeddingConfig]] = {}
+    for cell in cells:
+        groups.setdefault(cell.feature_key(), []).append(cell)
+    return groups
+
+
+def _group_tag(features: EmbeddingConfig, base: EmbeddingConfig) -> str:
+    """How a group is named in the log and the timings: its prompt, plus pooling and score where they
+    differ from the base configuration's."""
+    prompt_name = features.prompt_label
+    if (features.pooling, features.score) == (base.pooling, base.score):
+        return prompt_name
+    return f"{prompt_name}, pooling={features.pooling}, score={features.score}"
+
+
+def _task_alpha(
+    run: _Run,
+    alpha_choices: dict[str, dict[str, Any]],
+    features: EmbeddingConfig,
+    traces: TraceCache,
+    task: Any,
+) -> dict[str, Any]:
+    """The task's label-free alpha choice: the recorded one if made under the same rule, else chosen
+    now from the task's texts and recorded at once."""
+    settings, name, prompt_name = run.settings, task.metadata.name, features.prompt_label
+    choice = alpha_choices.get(prompt_name, {}).get(name)
+    if choice is None or choice.get("rule") != settings.alpha_rule:
+        choice = choose_task_alphas(
+            traces,
+            [task],
+            rule=settings.alpha_rule,
+            max_texts=settings.alpha_max_texts,
+            batch_size=settings.batch_size,
+        )[name]
+        alpha_choices.setdefault(prompt_name, {})[name] = choice
+        run.alpha_path.parent.mkdir(parents=True, exist_ok=True)
+        run.write_alpha_choices()
+    return choice
+
+
+def _evaluate_task(
+    run: _Run,
+    group: list[EmbeddingConfig],
+    tag: str,
+    traces: TraceCache,
+    alpha_choices: dict[str, dict[str, Any]],
+    task: Any,
+) -> None:
+    """Every cell of a group that the cache lacks for this task, sharing one alpha choice."""
+    settings, name = run.settings, task.metadata.name
+    pending = [
+        c
+        for c in group
+        if settings.overwrite
+        or not _is_cached(run.cache, _moee_encoder(run.embedder, run.revision, c, traces), task)
+    ]
+    if not pending:
+        run.log(f"[{tag}] {name}: all methods already in the cache")
+        return
+    alpha_by_task = None
+    if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in pending):
+        choice = _task_alpha(run, alpha_choices, group[0], traces, task)
+        alpha_by_task = {name: choice["alpha"]}
+        run.log(f"[{tag}] {name}: alpha={choice['alpha']:.4g} ({settings.alpha_rule} rule, label-free)")
+    for cell in pending:
+        encoder = _moee_encoder(run.embedder, run.revision, cell, traces, alpha_by_task)
+        seconds = _evaluate(encoder, task, run.cache, settings)
+        run.timings[f"{cell.method}/{tag}/{name}"] = round(seconds, 2)
+        run.log(f"[{tag}] {name} {cell.method}: {seconds:.1f}s")
+
+
+def _evaluate_groups(
+    run: _Run,
+    groups: dict[tuple, list[EmbeddingConfig]],
+    base: EmbeddingConfig,
+    tasks: Sequence[Any],
+    trace_caches: dict[tuple, TraceCache] | None,
+) -> dict[str, dict[str, float]]:
+    """Every group over every task; returns configuration tag -> task -> its label-free alpha (for the
+    groups whose alpha is chosen)."""
+    chosen: dict[str, dict[str, float]] = {}
+    for key, group in groups.items():
+        features = group[0]
+        tag = _group_tag(features, base)
+        alpha_choices = run.all_choices.setdefault(_alpha_key(run.embedder, run.revision, features), {})
+        own_cache = trace_caches is None or key not in trace_caches
+        traces = TraceCache(run.embedder, config=features) if own_cache else trace_caches[key]
+        if trace_caches is not None:
+            trace_caches[key] = traces
+        for task in tasks:
+            _evaluate_task(run, group, tag, traces, alpha_choices, task)
+        if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in group):
+            chosen[tag] = {t: c["alpha"] for t, c in alpha_choices.get(features.prompt_label, {}).items()}
+        if trace_caches is None:  # caches the caller shares are its to keep
+            traces.clear()  # rows are kept across the tasks of a prompt: tasks share some texts
+    return chosen
+
+
+def _evaluate_baseline(run: _Run, tasks: Sequence[Any]) -> None:
+    """The dense baseline on every task the cache lacks it for, loaded only if one does."""
+    from mteb.models import ModelMeta
+
+    baseline = None
+    baseline_probe = ModelMeta.create_empty({"name": BASELINE_NAME, "revision": baseline_revision()})
+    for task in tasks:
+        if not run.settings.overwrite and _is_cached(run.cache, baseline_probe, task):
+            run.log(f"[baseline] {task.metadata.name}: already in the cache")
+            continue
+        if baseline is None:
+            run.log("loading baseline all-MiniLM-L6-v2 ...")
+            baseline = load_baseline_encoder(device=run.settings.load.device)
+        seconds = _evaluate(baseline, task, run.cache, run.settings)
+        run.timings[f"baseline/{task.metadata.name}"] = round(seconds, 2)
+        run.log(f"[baseline] {task.metadata.name}: {seconds:.1f}s")
+
+
+def _run_info(
+    run: _Run,
+    resolved: _Resolved,
+    tasks: Sequence[Any],
+    chosen: dict[str, dict[str, float]],
+    seconds: float,
+    cpu_seconds: float,
+) -> dict[str, Any]:
+    """What ``run.json`` records: the command, model, configuration and its resolution, versions and
+    timings."""
+    from moee.provenance import CORE_PACKAGES, run_record
+
+    settings, base = run.settings, resolved.base
+    record = run_record(settings.command or " ".join(sys.argv), packages=(*CORE_PACKAGES, *EVAL_PACKAGES))
+    model_config = resolved.model_config
+    return {
+        "command": record["command"],
+        "model": settings.model or "bundled default (moee/assets/default-model)",
+        "model_name": model_name(run.embedder),
+        "model_revision": run.revision,
+        "model_training": _training_summary(run.embedder),
+        "methods": list(settings.methods),
+        "prompts": [settings.cell_config("hs", p, model_config).prompt_label for p in resolved.prompts],
+        **{
+            k: v
+            for k, v in base.experiment_kwargs().items()
+            if k in ("recipe", "hs_layer", "rw_layers", "reference")
+        },
+        "alpha": base.alpha,
+        "alpha_rule": settings.alpha_rule if base.alpha == AUTO_ALPHA else None,
+        "alpha_choices": chosen,
+        "pooling": base.pooling,
+        "score": base.score,
+        # the resolution: the fields given, and the model's saved configuration the rest came from
+        "config_given": sorted(settings.config),
+        **(
+            {"extra_cells": [c.experiment_kwargs() for c in resolved.cells[-len(settings.extra_cells) :]]}
+            if settings.extra_cells
+            else {}
+        ),
+        "model_config": model_config.to_record() if model_config is not None else None,
+        "tasks": [t.metadata.name for t in tasks],
+        "versions": record["versions"],
+        "git_revision": record["git_revision"],
+        **({"quantization": record["quantization"]} if "quantization" in record else {}),
+        "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu_seconds, 1),
+        "load_average": _load_average(),
+        **settings.extra,
+    }
+
+
 def run_evaluation(
     settings: EvalSettings,
     *,
@@ -306,168 +567,36 @@ def run_evaluation(
     caches found there are used, the ones made are added, and none is cleared.
     """
     import datasets
-    import mteb
 
     datasets.disable_progress_bars()
     out = Path(settings.out)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    if tasks is None:
-        tasks = resolve_tasks(settings.tasks)
-    log(f"tasks: {', '.join(t.metadata.name for t in tasks)}")
-    load_task_data(tasks)
-    if embedder is None:
-        from moee.embed.embedder import MoEEmbedder
-
-        log(f"loading model {settings.model or '(bundled default)'} ...")
-        embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
-    model_config = model_config_of(embedder)
-    settings.cells(model_config)  # every cell is a valid configuration of this model too
-    base = settings.base_config(model_config)
-    prompts = settings.prompt_list(model_config)
-    source = "the model's saved configuration" if model_config is not None else "the library defaults"
-    given = ", ".join(sorted(settings.config)) or "none"
-    shown = {k: v for k, v in base.experiment_kwargs().items() if k not in ("method", "prompt")}
-    log(f"configuration {shown} (given: {given}; the rest from {source})")
-    cache = mteb.ResultCache(out)
-    revision = model_identity(embedder)[1]
-    alpha_path = out / "alpha_choices.json"
-    all_choices: dict[str, dict[str, dict[str, dict[str, Any]]]] = (
-        json.loads(alpha_path.read_text(encoding="utf-8")) if alpha_path.is_file() else {}
-    )
-    cells = settings.cells(model_config)
-    # one forward pass per text for every cell that shares its features (all methods of a prompt)
-    groups: dict[tuple, list[EmbeddingConfig]] = {}
-    for cell in cells:
-        groups.setdefault(cell.feature_key(), []).append(cell)
-    if settings.overwrite:
-        for group in groups.values():
-            all_choices.pop(_alpha_key(embedder, revision, group[0]), None)
-    timings_path = out / "timings.json"
-    # a cell the cache already holds keeps the seconds measured when it ran (a rerun that only
-    # rebuilds the tables from the cache must not erase them)
-    timings: dict[str, float] = (
-        {}
-        if settings.overwrite or not timings_path.is_file()
-        else json.loads(timings_path.read_text(encoding="utf-8"))
-    )
-    chosen: dict[str, dict[str, float]] = {}  # configuration tag -> task -> its label-free alpha
-    for key, group in groups.items():
-        features = group[0]
-        prompt_name = features.prompt_label
-        same = (features.pooling, features.score) == (base.pooling, base.score)
-        tag = prompt_name if same else f"{prompt_name}, pooling={features.pooling}, score={features.score}"
-        alpha_choices = all_choices.setdefault(_alpha_key(embedder, revision, features), {})
-        own_cache = trace_caches is None or key not in trace_caches
-        traces = TraceCache(embedder, config=features) if own_cache else trace_caches[key]
-        if trace_caches is not None:
-            trace_caches[key] = traces
-        for task in tasks:
-            name = task.metadata.name
-            pending = [
-                c
-                for c in group
-                if settings.overwrite
-                or not _is_cached(cache, _moee_encoder(embedder, revision, c, traces), task)
-            ]
-            if not pending:
-                log(f"[{tag}] {name}: all methods already in the cache")
-                continue
-            alpha_by_task = None
-            if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in pending):
-                choice = alpha_choices.get(prompt_name, {}).get(name)
-                if choice is None or choice.get("rule") != settings.alpha_rule:
-                    choice = choose_task_alphas(
-                        traces,
-                        [task],
-                        rule=settings.alpha_rule,
-                        max_texts=settings.alpha_max_texts,
-                        batch_size=settings.batch_size,
-                    )[name]
-                    alpha_choices.setdefault(prompt_name, {})[name] = choice
-                    alpha_path.parent.mkdir(parents=True, exist_ok=True)
-                    alpha_path.write_text(json.dumps(all_choices, indent=2) + "\n", encoding="utf-8")
-                alpha_by_task = {name: choice["alpha"]}
-                log(f"[{tag}] {name}: alpha={choice['alpha']:.4g} ({settings.alpha_rule} rule, label-free)")
-            for cell in pending:
-                encoder = _moee_encoder(embedder, revision, cell, traces, alpha_by_task)
-                seconds = _evaluate(encoder, task, cache, settings)
-                timings[f"{cell.method}/{tag}/{name}"] = round(seconds, 2)
-                log(f"[{tag}] {name} {cell.method}: {seconds:.1f}s")
-        if any(c.uses_alpha and c.alpha == AUTO_ALPHA for c in group):
-            chosen[tag] = {t: c["alpha"] for t, c in alpha_choices.get(prompt_name, {}).items()}
-        if trace_caches is None:  # caches the caller shares are its to keep
-            traces.clear()  # rows are kept across the tasks of a prompt: tasks share some texts
+    tasks, embedder = _tasks_and_embedder(settings, embedder, tasks, log)
+    resolved = _resolve(settings, embedder, log)
+    groups = _feature_groups(resolved.cells)
+    run = _start_run(settings, embedder, groups, log)
+    chosen = _evaluate_groups(run, groups, resolved.base, tasks, trace_caches)
     if settings.baseline:
-        from mteb.models import ModelMeta
-
-        baseline = None
-        baseline_probe = ModelMeta.create_empty({"name": BASELINE_NAME, "revision": baseline_revision()})
-        for task in tasks:
-            if not settings.overwrite and _is_cached(cache, baseline_probe, task):
-                log(f"[baseline] {task.metadata.name}: already in the cache")
-                continue
-            if baseline is None:
-                log("loading baseline all-MiniLM-L6-v2 ...")
-                baseline = load_baseline_encoder(device=settings.load.device)
-            seconds = _evaluate(baseline, task, cache, settings)
-            timings[f"baseline/{task.metadata.name}"] = round(seconds, 2)
-            log(f"[baseline] {task.metadata.name}: {seconds:.1f}s")
+        _evaluate_baseline(run, tasks)
     total = time.perf_counter() - t0
-    from moee.provenance import CORE_PACKAGES, run_record
-
-    record = run_record(settings.command or " ".join(sys.argv), packages=(*CORE_PACKAGES, *EVAL_PACKAGES))
-    run_info = {
-        "command": record["command"],
-        "model": settings.model or "bundled default (moee/assets/default-model)",
-        "model_name": model_name(embedder),
-        "model_revision": revision,
-        "model_training": _training_summary(embedder),
-        "methods": list(settings.methods),
-        "prompts": [settings.cell_config("hs", p, model_config).prompt_label for p in prompts],
-        **{
-            k: v
-            for k, v in base.experiment_kwargs().items()
-            if k in ("recipe", "hs_layer", "rw_layers", "reference")
-        },
-        "alpha": base.alpha,
-        "alpha_rule": settings.alpha_rule if base.alpha == AUTO_ALPHA else None,
-        "alpha_choices": chosen,
-        "pooling": base.pooling,
-        "score": base.score,
-        # the resolution: the fields given, and the model's saved configuration the rest came from
-        "config_given": sorted(settings.config),
-        **(
-            {"extra_cells": [c.experiment_kwargs() for c in cells[-len(settings.extra_cells) :]]}
-            if settings.extra_cells
-            else {}
-        ),
-        "model_config": model_config.to_record() if model_config is not None else None,
-        "tasks": [t.metadata.name for t in tasks],
-        "versions": record["versions"],
-        "git_revision": record["git_revision"],
-        **({"quantization": record["quantization"]} if "quantization" in record else {}),
-        "seconds": round(total, 1),
-        "cpu_seconds": round(time.process_time() - cpu0, 1),
-        "load_average": _load_average(),
-        **settings.extra,
-    }
+    run_info = _run_info(run, resolved, tasks, chosen, total, time.process_time() - cpu0)
     from moee.evaluation.tables import write_tables
 
     paths = write_tables(out, out, tasks=[t.metadata.name for t in tasks], extra=run_info)
-    alpha_path.write_text(json.dumps(all_choices, indent=2) + "\n", encoding="utf-8")
-    timings_path.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+    run.write_alpha_choices()
+    (out / "timings.json").write_text(json.dumps(run.timings, indent=2) + "\n", encoding="utf-8")
     log(f"done in {total:.0f}s")
     return {
         "out": out,
         "tables_md": paths["markdown"],
         "tables_json": paths["json"],
-        "alpha_choices": alpha_path,
+        "alpha_choices": run.alpha_path,
         "timings": out / "timings.json",
         "seconds": total,
         "embedder": embedder,
         "tasks": tasks,
-        "config": base,
-        "prompts": prompts,
+        "config": resolved.base,
+        "prompts": resolved.prompts,
     }
 
 

@@ -90,8 +90,9 @@ class EvalSettings:
     tasks: str | tuple[str, ...] = field(
         default="offline",
         metadata={
-            "help": "'offline' (our committed tasks), 'quick' (a fast subset), 'paper' (the paper's 19 mteb "
-            "tasks; needs network), or comma-separated task names"
+            "help": "'offline' (our committed tasks), 'quick' (a fast subset), 'mini' (the smaller subset "
+            "moee quickstart runs), 'paper' (the paper's 19 mteb tasks; needs network), or comma-separated "
+            "task names"
         },
     )
     out: Path = field(

@@ -13,6 +13,7 @@ bit-identical weights, which the recorded digest of the assembled weights checks
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -122,12 +123,35 @@ def manifest_digest(folder: str | os.PathLike) -> str:
     return _read_manifest(Path(folder))["delta_sha256"]
 
 
-def _stamp_matches(out: Path, manifest: dict[str, Any]) -> bool:
+def _companions(folder: Path) -> list[Path]:
+    """The files of a delta folder an assembled folder copies as they are (its embedding
+    configuration, reference statistics, model card ...): every file but the delta, its manifest
+    and the config (which the assembled model writes itself)."""
+    return sorted(
+        item
+        for item in folder.iterdir()
+        if item.is_file() and item.name not in (DELTA_FILE, MANIFEST_FILE, "config.json")
+    )
+
+
+def _companions_digest(folder: Path) -> str:
+    """One sha256 over the companions' names and contents: an assembled folder whose copies differ
+    from the delta folder's files (a changed ``moee_embedding.json``, a refitted reference) is
+    rebuilt, never reused with the old configuration."""
+    digest = hashlib.sha256()
+    for item in _companions(folder):
+        digest.update(f"{item.name}\0{file_sha256(item)}\n".encode())
+    return digest.hexdigest()
+
+
+def _stamp_matches(out: Path, manifest: dict[str, Any], folder: Path) -> bool:
     try:
         stamp = json.loads((out / _STAMP).read_text())
-        return stamp.get("delta_sha256") == manifest["delta_sha256"] and file_sha256(
-            out / "model.safetensors"
-        ) == stamp.get("model_sha256")
+        return (
+            stamp.get("delta_sha256") == manifest["delta_sha256"]
+            and stamp.get("companions_sha256") == _companions_digest(folder)
+            and file_sha256(out / "model.safetensors") == stamp.get("model_sha256")
+        )
     except (OSError, ValueError, KeyError):
         return False
 
@@ -191,7 +215,7 @@ def assemble(
 
     folder, out = Path(folder), Path(out)
     manifest = _read_manifest(folder)
-    if _stamp_matches(out, manifest):
+    if _stamp_matches(out, manifest, folder):
         return out
     check_rebuildable(out, _STAMP)
     recorded_base = manifest["base"].get("weights_sha256")
@@ -206,9 +230,8 @@ def assemble(
     def fill(staging: Path) -> dict[str, Any]:
         model.save_pretrained(staging)
         AutoTokenizer.from_pretrained(base).save_pretrained(staging)
-        for item in folder.iterdir():
-            if item.name not in (DELTA_FILE, MANIFEST_FILE, "config.json") and item.is_file():
-                shutil.copy2(item, staging / item.name)
+        for item in _companions(folder):
+            shutil.copy2(item, staging / item.name)
         model_sha = file_sha256(staging / "model.safetensors")
         want = manifest.get("model_sha256")
         if want is not None and want != model_sha:
@@ -216,6 +239,11 @@ def assemble(
                 f"assembling {folder} on {base} gave weights {model_sha}, not the recorded {want}: "
                 "the build is not bit-exact on this machine (report it with your torch version)"
             )
-        return {"delta_sha256": manifest["delta_sha256"], "model_sha256": model_sha, "base": manifest["base"]}
+        return {
+            "delta_sha256": manifest["delta_sha256"],
+            "companions_sha256": _companions_digest(folder),
+            "model_sha256": model_sha,
+            "base": manifest["base"],
+        }
 
     return build_cache_folder(out, _STAMP, fill)
