@@ -40,7 +40,8 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -481,12 +482,41 @@ class _Disconnected(Exception):
         self.texts = texts
 
 
-def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
-    """The ASGI app serving ``embedder`` (run it with uvicorn under :func:`uvicorn_config`; ``moee
-    serve`` does); its ``state`` holds the ``service``, ``batcher`` and ``metrics``."""
-    settings = settings or ServerSettings()
-    service = EmbeddingService(embedder, settings)
-    metrics = _Metrics()
+class _Admission:
+    """At most ``limit`` requests admitted at once (``with admission():``); a further one gets 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.admitted = limit, 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.admitted >= self.limit:
+            raise ApiError(
+                429,
+                f"the server is at its limit of {self.limit} concurrent requests "
+                "(--max-concurrent-requests); retry later",
+                code="queue_full",
+            )
+        self.admitted += 1
+        try:
+            yield
+        finally:
+            self.admitted -= 1
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What the endpoints of one app share."""
+
+    service: EmbeddingService
+    batcher: DynamicBatcher
+    metrics: _Metrics
+    admission: _Admission
+
+
+def _new_batcher(embedder: Any, settings: ServerSettings, metrics: _Metrics) -> DynamicBatcher:
+    """The one batcher whose forward thread runs every embedding batch (and the routing forwards),
+    reporting its batches and queue depth to ``metrics``."""
     batcher = DynamicBatcher(
         lambda texts, config: embedder.features(
             texts, config, batch_size=len(texts), show_progress_bar=False
@@ -497,18 +527,12 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
         on_depth=metrics.queue_depth.set,
     )
     metrics.pending.set_function(lambda: batcher.pending_requests)
-    admitted = {"n": 0}
+    return batcher
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        batcher.start()
-        yield
-        await batcher.stop()  # after uvicorn has drained the in-flight requests
 
-    app = FastAPI(
-        title="moee", summary="MoE embeddings (OpenAI-compatible) and token routing", lifespan=lifespan
-    )
-    app.state.service, app.state.batcher, app.state.metrics = service, batcher, metrics
+def _add_error_handlers(app: FastAPI, service: EmbeddingService) -> None:
+    """An ``ApiError`` answers its status and message; a client gone before its request arrived
+    whole is one log line; any other exception is a 500 that tells the client no local detail."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -526,110 +550,138 @@ def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
         message = f"internal error ({type(exc).__name__}); the server's log has the details"
         return JSONResponse(error_body(500, message), status_code=500)
 
-    @contextlib.contextmanager
-    def admission():
-        if admitted["n"] >= settings.max_concurrent_requests:
-            raise ApiError(
-                429,
-                f"the server is at its limit of {settings.max_concurrent_requests} concurrent requests "
-                "(--max-concurrent-requests); retry later",
-                code="queue_full",
-            )
-        admitted["n"] += 1
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a checked JSON object, read up to ``limit`` bytes (``max_request_bytes``; 413
+    beyond)."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    body = bytearray()
+    if size <= limit:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                size = len(body)
+                break
+    if size > limit or len(body) > limit:
+        raise ApiError(
+            413,
+            f"the request body has {'at least ' if not declared else ''}{size:,} bytes, "
+            f"{_over(limit, 'bytes', 'max_request_bytes')}; split the request",
+            code="request_too_large",
+        )
+    return parse_json(bytes(body))
+
+
+def _dropped(served: _Served, request: Request, what: str, texts: int) -> Response:
+    """The answer to a request whose client went away: its dropped texts counted and logged."""
+    served.metrics.cancelled.inc(texts)
+    log.info("%s: the client went away; %s of its %d texts dropped", _client(request), what, texts)
+    return Response(status_code=499)  # nobody reads it; counted as a client abort
+
+
+async def _wait_for(served: _Served, request: Request, job) -> np.ndarray:
+    """The job's vectors; its rows are cancelled if the client goes away meanwhile (``_Disconnected``)."""
+    batcher = served.batcher
+    while True:
+        done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return job.future.result()
+        if await request.is_disconnected():
+            before = batcher.cancelled_rows
+            batcher.cancel(job)
+            raise _Disconnected(batcher.cancelled_rows - before)
+
+
+async def _embeddings(served: _Served, request: Request) -> Response:
+    """``POST /v1/embeddings``: every value checked, then the texts queued on the batcher."""
+    service = served.service
+    req: EmbeddingsRequest = parse_embeddings_request(
+        await _read_json(request, service.settings.max_request_bytes)
+    )
+    service.check_model(req.model)
+    service.check_inputs(req.texts)
+    config = service.config_for(req.config, req.prompt_name)
+    service.check_dimensions(req.dimensions, config)
+    with served.admission():
+        texts, lengths = await asyncio.to_thread(service.prepare, req.texts, config, req.truncate)
+        job = served.batcher.submit(texts, lengths, config)
         try:
-            yield
-        finally:
-            admitted["n"] -= 1
+            vectors = await _wait_for(served, request, job)
+        except _Disconnected as gone:
+            return _dropped(served, request, "the waiting rows", gone.texts)
+    tokens = int(sum(lengths))
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
+                for i, v in enumerate(vectors)
+            ],
+            "model": service.model_id,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "moee_config": service.public_config(config),
+        }
+    )
 
-    async def read_json(request: Request) -> dict[str, Any]:
-        """The body as a checked JSON object, read up to ``max_request_bytes`` (413 beyond)."""
-        limit = settings.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() else 0
-        body = bytearray()
-        if size <= limit:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    size = len(body)
-                    break
-        if size > limit or len(body) > limit:
-            raise ApiError(
-                413,
-                f"the request body has {'at least ' if not declared else ''}{size:,} bytes, "
-                f"{_over(limit, 'bytes', 'max_request_bytes')}; split the request",
-                code="request_too_large",
-            )
-        return parse_json(bytes(body))
 
-    def dropped(request: Request, what: str, texts: int) -> Response:
-        metrics.cancelled.inc(texts)
-        log.info("%s: the client went away; %s of its %d texts dropped", _client(request), what, texts)
-        return Response(status_code=499)  # nobody reads it; counted as a client abort
-
-    async def wait_for(request: Request, job) -> np.ndarray:
-        while True:
-            done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return job.future.result()
+async def _routing(served: _Served, request: Request) -> Response:
+    """``POST /v1/routing``: every value checked, then forwards taking turns with the embedding
+    batches."""
+    service = served.service
+    service.check_routing_enabled()
+    req = parse_routing_request(await _read_json(request, service.settings.max_request_bytes))
+    service.check_model(req.model)
+    service.check_inputs(req.texts)
+    config = service.routing_config(req.config, req.prompt_name)  # a 400 before any work
+    with served.admission():
+        texts, lengths = await asyncio.to_thread(service.prepare, req.texts, config, False)
+        service.check_dense(lengths, req.dense)
+        items: list[Any] = [None] * len(texts)
+        done = 0
+        # forwards of at most max_routing_batch_tokens, each queued behind the embedding
+        # batches waiting by then: the forward thread takes turns between them and this request
+        for positions in cut_batches(lengths, service.settings.max_routing_batch_tokens):
             if await request.is_disconnected():
-                before = batcher.cancelled_rows
-                batcher.cancel(job)
-                raise _Disconnected(batcher.cancelled_rows - before)
+                return _dropped(served, request, "the routing", len(texts) - done)
+            chunk = [texts[i] for i in positions]
+            routed = await served.batcher.run_exclusive(
+                functools.partial(service.route, chunk, positions, config, req.dense, req.top_k)
+            )
+            for i, item in zip(positions, routed):
+                items[i] = item
+            done += len(positions)
+    return JSONResponse(service.routing_answer(config, items))
+
+
+def create_app(embedder: Any, settings: ServerSettings | None = None) -> Any:
+    """The ASGI app serving ``embedder`` (run it with uvicorn under :func:`uvicorn_config`; ``moee
+    serve`` does); its ``state`` holds the ``service``, ``batcher`` and ``metrics``."""
+    settings = settings or ServerSettings()
+    service = EmbeddingService(embedder, settings)
+    metrics = _Metrics()
+    batcher = _new_batcher(embedder, settings, metrics)
+    served = _Served(service, batcher, metrics, _Admission(settings.max_concurrent_requests))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        yield
+        await batcher.stop()  # after uvicorn has drained the in-flight requests
+
+    app = FastAPI(
+        title="moee", summary="MoE embeddings (OpenAI-compatible) and token routing", lifespan=lifespan
+    )
+    app.state.service, app.state.batcher, app.state.metrics = service, batcher, metrics
+    _add_error_handlers(app, service)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        req: EmbeddingsRequest = parse_embeddings_request(await read_json(request))
-        service.check_model(req.model)
-        service.check_inputs(req.texts)
-        config = service.config_for(req.config, req.prompt_name)
-        service.check_dimensions(req.dimensions, config)
-        with admission():
-            texts, lengths = await asyncio.to_thread(service.prepare, req.texts, config, req.truncate)
-            job = batcher.submit(texts, lengths, config)
-            try:
-                vectors = await wait_for(request, job)
-            except _Disconnected as gone:
-                return dropped(request, "the waiting rows", gone.texts)
-        tokens = int(sum(lengths))
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
-                    for i, v in enumerate(vectors)
-                ],
-                "model": service.model_id,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                "moee_config": service.public_config(config),
-            }
-        )
+        return await _embeddings(served, request)
 
     @app.post("/v1/routing")
     async def routing(request: Request) -> Response:
-        service.check_routing_enabled()
-        req = parse_routing_request(await read_json(request))
-        service.check_model(req.model)
-        service.check_inputs(req.texts)
-        config = service.routing_config(req.config, req.prompt_name)  # a 400 before any work
-        with admission():
-            texts, lengths = await asyncio.to_thread(service.prepare, req.texts, config, False)
-            service.check_dense(lengths, req.dense)
-            items: list[Any] = [None] * len(texts)
-            done = 0
-            # forwards of at most max_routing_batch_tokens, each queued behind the embedding
-            # batches waiting by then: the forward thread takes turns between them and this request
-            for positions in cut_batches(lengths, settings.max_routing_batch_tokens):
-                if await request.is_disconnected():
-                    return dropped(request, "the routing", len(texts) - done)
-                chunk = [texts[i] for i in positions]
-                routed = await batcher.run_exclusive(
-                    functools.partial(service.route, chunk, positions, config, req.dense, req.top_k)
-                )
-                for i, item in zip(positions, routed):
-                    items[i] = item
-                done += len(positions)
-        return JSONResponse(service.routing_answer(config, items))
+        return await _routing(served, request)
 
     @app.get("/v1/models")
     async def models() -> dict:
