@@ -788,6 +788,38 @@ def uvicorn_config(app: Any, *, host: str = "127.0.0.1", port: int = 0, log_leve
     )
 
 
+def _late_response(timeout: float) -> bytes:
+    """The whole 408 answer, as bytes: it is written on the transport itself, since a request that
+    has not arrived whole has no ASGI cycle to answer through."""
+    late = error_body(
+        408,
+        f"the request did not arrive whole within {timeout:g} s (moee serve "
+        f"{flag_of('request_timeout_s')} raises the limit)",
+        code="request_timeout",
+    )
+    late_body = json.dumps(late).encode("utf-8")
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        + f"content-length: {len(late_body)}\r\n\r\n".encode("ascii")
+        + late_body
+    )
+
+
+def _refusal(max_connections: int) -> Callable[..., Any]:
+    """The ASGI app that answers a connection beyond ``max_connections``: 503 naming the limit and its
+    flag, and the connection closed."""
+    full = error_body(
+        503,
+        f"the server has {_over(max_connections, 'open connections', 'max_connections')}; retry later",
+        code="too_many_connections",
+    )
+
+    async def refuse(scope, receive, send) -> None:
+        await JSONResponse(full, status_code=503, headers={"connection": "close"})(scope, receive, send)
+
+    return refuse
+
+
 def _bounded_protocol(settings: ServerSettings) -> type:
     """uvicorn's h11 protocol with the bounds it lacks. A new connection that sends nothing is
     closed after the keep-alive timeout, like one idle between requests (uvicorn arms that timer
@@ -801,27 +833,8 @@ def _bounded_protocol(settings: ServerSettings) -> type:
 
     timeout = settings.request_timeout_s
     receiving = (h11.IDLE, h11.SEND_BODY)
-    late = error_body(
-        408,
-        f"the request did not arrive whole within {timeout:g} s (moee serve "
-        f"{flag_of('request_timeout_s')} raises the limit)",
-        code="request_timeout",
-    )
-    late_body = json.dumps(late).encode("utf-8")
-    late_response = (
-        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        + f"content-length: {len(late_body)}\r\n\r\n".encode("ascii")
-        + late_body
-    )
-    full = error_body(
-        503,
-        f"the server has {_over(settings.max_connections, 'open connections', 'max_connections')}; "
-        "retry later",
-        code="too_many_connections",
-    )
-
-    async def refuse(scope, receive, send) -> None:
-        await JSONResponse(full, status_code=503, headers={"connection": "close"})(scope, receive, send)
+    late_response = _late_response(timeout)
+    refuse = _refusal(settings.max_connections)
 
     class BoundedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
