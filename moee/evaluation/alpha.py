@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy.stats import rankdata, spearmanr
@@ -204,6 +205,75 @@ def _score_at(c_h: np.ndarray, c_r: np.ndarray, gold: np.ndarray, alpha: float) 
     return 100.0 * float(spearmanr(gold, (c_h + alpha * c_r) / (1 + alpha))[0])
 
 
+@dataclass(frozen=True)
+class _StsPairs:
+    """An offline STS task's test pairs: each distinct text once, and the pairs as indices into it."""
+
+    texts: list[str]
+    left: np.ndarray
+    right: np.ndarray
+    gold: np.ndarray
+
+    @classmethod
+    def load(cls, task: str) -> _StsPairs:
+        from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data
+
+        if OFFLINE_TASKS.get(task) is None or OFFLINE_TASKS[task].family != "STS":
+            raise ValueError(f"{task!r} is not an offline STS task")
+        rows = load_task_data(task)["test"]
+        texts = list(dict.fromkeys([r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]))
+        index = {t: i for i, t in enumerate(texts)}
+        left = np.array([index[r["sentence1"]] for r in rows])
+        right = np.array([index[r["sentence2"]] for r in rows])
+        gold = np.array([float(r["score"]) for r in rows])
+        return cls(texts, left, right, gold)
+
+
+def _prompt_curve(
+    embedder: object, cell: EmbeddingConfig, pairs: _StsPairs, batch_size: int, seed: int
+) -> dict:
+    """One prompt's curve (``alpha_sensitivity``) with what each label-free rule picks and scores,
+    the score at alpha 1 and the best alpha of the grid by the labels."""
+    from moee.evaluation.adapter import TraceCache
+
+    hs, rw = TraceCache(embedder, config=cell).get(pairs.texts, batch_size=batch_size)
+    c_h, c_r = pair_similarities(hs, rw, pairs.left, pairs.right)
+    curve = alpha_sensitivity(c_h, c_r, pairs.gold)
+    chosen = {}
+    for rule in ALPHA_RULES:
+        a = choose_alpha(hs, rw, rule=rule, seed=seed).alpha
+        chosen[rule] = {"alpha": a, "spearman": _score_at(c_h, c_r, pairs.gold, a)}
+    curve["chosen"] = chosen
+    curve["at_alpha_1"] = _score_at(c_h, c_r, pairs.gold, 1.0)
+    curve["best_alpha_with_labels"] = float(curve["grid"][int(np.argmax(curve["spearman"]))])
+    return curve
+
+
+def _plot_curve(ax: Any, curve: dict, color: str, label: str) -> None:
+    """A prompt's curve in its colour: its HS-only (dotted) and RW-only (dashed) ends, and the rules'
+    picks (circle: spearman, square: spread)."""
+    ax.plot(curve["grid"], curve["spearman"], color=color, marker=".", label=f"MoEE sum, prompt={label}")
+    ax.axhline(curve["hs_only"], color=color, ls=":", lw=1)
+    ax.axhline(curve["rw_only"], color=color, ls="--", lw=1)
+    for rule, marker in zip(ALPHA_RULES, ("o", "s")):
+        c = curve["chosen"][rule]
+        ax.plot([c["alpha"]], [c["spearman"]], marker=marker, color=color, ms=8, mfc="none", ls="none")
+
+
+def _label_axes(ax: Any, task: str, model: str) -> None:
+    """The axes, title (``model`` as name@revision) and legend of the sensitivity plot."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("alpha (weight of RW similarity)")
+    ax.set_ylabel(f"{task} Spearman x100")
+    ax.set_title(
+        f"MoEE(sum) alpha sensitivity, {model}\n"
+        "dotted: HS only, dashed: RW only; circle: spearman rule, square: spread rule (label-free)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(alpha=0.3)
+
+
 def write_alpha_sensitivity(
     embedder: object,
     out_dir: str | Path,
@@ -229,22 +299,14 @@ def write_alpha_sensitivity(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moee.data.offline_tasks import OFFLINE_TASKS, load_task_data
-    from moee.evaluation.adapter import TraceCache, model_config_of, model_identity
+    from moee.evaluation.adapter import model_config_of, model_identity
 
     if config is None:
         config = resolve_config(model_config_of(embedder))
     if prompts is None:
         prompts = [config.prompt]
 
-    if OFFLINE_TASKS.get(task) is None or OFFLINE_TASKS[task].family != "STS":
-        raise ValueError(f"{task!r} is not an offline STS task")
-    rows = load_task_data(task)["test"]
-    texts = list(dict.fromkeys([r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]))
-    index = {t: i for i, t in enumerate(texts)}
-    left = np.array([index[r["sentence1"]] for r in rows])
-    right = np.array([index[r["sentence2"]] for r in rows])
-    gold = np.array([float(r["score"]) for r in rows])
+    pairs = _StsPairs.load(task)
     name, revision = model_identity(embedder)
     doc: dict[str, object] = {
         "task": task,
@@ -253,42 +315,17 @@ def write_alpha_sensitivity(
         "pooling": config.pooling,
         "score": config.score,
         "config": {k: v for k, v in config.to_dict().items() if k not in ("method", "alpha", "normalize")},
-        "n_pairs": len(rows),
-        "n_texts": len(texts),
+        "n_pairs": len(pairs.gold),
+        "n_texts": len(pairs.texts),
         "prompts": {},
     }
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for k, prompt in enumerate(prompts):
         cell = config.replace(prompt=prompt)
-        label = cell.prompt_label
-        hs, rw = TraceCache(embedder, config=cell).get(texts, batch_size=batch_size)
-        c_h, c_r = pair_similarities(hs, rw, left, right)
-        curve = alpha_sensitivity(c_h, c_r, gold)
-        chosen = {}
-        for rule in ALPHA_RULES:
-            a = choose_alpha(hs, rw, rule=rule, seed=seed).alpha
-            chosen[rule] = {"alpha": a, "spearman": _score_at(c_h, c_r, gold, a)}
-        curve["chosen"] = chosen
-        curve["at_alpha_1"] = _score_at(c_h, c_r, gold, 1.0)
-        curve["best_alpha_with_labels"] = float(curve["grid"][int(np.argmax(curve["spearman"]))])
-        doc["prompts"][label] = curve
-        color = f"C{k}"
-        ax.plot(curve["grid"], curve["spearman"], color=color, marker=".", label=f"MoEE sum, prompt={label}")
-        ax.axhline(curve["hs_only"], color=color, ls=":", lw=1)
-        ax.axhline(curve["rw_only"], color=color, ls="--", lw=1)
-        for rule, marker in zip(ALPHA_RULES, ("o", "s")):
-            c = chosen[rule]
-            ax.plot([c["alpha"]], [c["spearman"]], marker=marker, color=color, ms=8, mfc="none", ls="none")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("alpha (weight of RW similarity)")
-    ax.set_ylabel(f"{task} Spearman x100")
-    ax.set_title(
-        f"MoEE(sum) alpha sensitivity, {name}@{revision}\n"
-        "dotted: HS only, dashed: RW only; circle: spearman rule, square: spread rule (label-free)",
-        fontsize=9,
-    )
-    ax.legend(fontsize=8, loc="best")
-    ax.grid(alpha=0.3)
+        curve = _prompt_curve(embedder, cell, pairs, batch_size, seed)
+        doc["prompts"][cell.prompt_label] = curve
+        _plot_curve(ax, curve, f"C{k}", cell.prompt_label)
+    _label_axes(ax, task, f"{name}@{revision}")
     fig.tight_layout()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
