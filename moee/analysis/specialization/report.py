@@ -637,6 +637,73 @@ def same_tokenization(tokenizer_a, tokenizer_b, texts: Sequence[str]) -> bool:
     return all(tokenizer_a(t)["input_ids"] == tokenizer_b(t)["input_ids"] for t in texts)
 
 
+def _by_step(checkpoints: Sequence[str]) -> tuple[list[str], list[int | None]]:
+    """The checkpoints and their training steps, sorted by step where every step is known (else as
+    given): the last is the final one."""
+    steps = [checkpoint_step(c) for c in checkpoints]
+    order = list(range(len(checkpoints)))
+    if all(s is not None for s in steps):
+        order.sort(key=lambda i: steps[i])
+    return [checkpoints[i] for i in order], [steps[i] for i in order]
+
+
+def _tokenization(final_tokenizer, model_tokenizer, model_name: str | None, head: Sequence[str]) -> dict:
+    """Whether the checkpoints tokenise the first texts (``head``) as the model the report describes
+    does; without ``model_tokenizer`` the final checkpoint is that model."""
+    if model_tokenizer is None:
+        return {"same_as_model": True, "model": model_name, "reason": "the final checkpoint is the model"}
+    same = same_tokenization(final_tokenizer, model_tokenizer, head)
+    return {
+        "same_as_model": same,
+        "model": model_name,
+        "reason": None
+        if same
+        else f"the checkpoints tokenise the first {len(head)} texts differently from {model_name}",
+    }
+
+
+def _saturation_curves(
+    names: Sequence[str], steps: Sequence[int | None], results: list[dict], top_k: int
+) -> dict:
+    """The checkpoints with their fraction of training, and per layer each checkpoint's overlap with
+    the final one (the final one's own: 1, and its permutation baseline), their means and the
+    random baseline."""
+    L = len(results[0]["top1"])
+    ones = [1.0] * L
+    own = {
+        "top1": ones,
+        "topk": ones,
+        "top1_permutation": results[0]["reference_top1_permutation"],
+        "topk_permutation": results[0]["reference_topk_permutation"],
+    }
+    per = [*results, own]
+    final_step = steps[-1]
+    E = results[0]["n_experts"]
+    return {
+        "checkpoints": [
+            {
+                "name": n,
+                "step": s,
+                "fraction_of_training": round(s / final_step, 6) if s is not None and final_step else None,
+            }
+            for n, s in zip(names, steps)
+        ],
+        "by_layer": [
+            {
+                "layer": layer,
+                "top1": [r["top1"][layer] for r in per],
+                "topk": [r["topk"][layer] for r in per],
+                "top1_permutation": [r["top1_permutation"][layer] for r in per],
+                "topk_permutation": [r["topk_permutation"][layer] for r in per],
+            }
+            for layer in range(L)
+        ],
+        "mean_top1": [float(np.mean(r["top1"])) for r in per],
+        "mean_topk": [float(np.mean(r["topk"])) for r in per],
+        "random_baseline": {"top1": 1 / E, "topk": top_k / E},
+    }
+
+
 def saturation_section(
     checkpoints: Sequence[str],
     corpus: Iterable[tuple[str, str | None]] | Iterable[str],
@@ -659,12 +726,7 @@ def saturation_section(
     tokenise the corpus as that model does (if not, they are another model's series)."""
     if len(checkpoints) < 2:
         raise ValueError(f"--checkpoints needs at least two checkpoints, got {len(checkpoints)}")
-    steps = [checkpoint_step(c) for c in checkpoints]
-    order = list(range(len(checkpoints)))
-    if all(s is not None for s in steps):
-        order.sort(key=lambda i: steps[i])
-    names = [checkpoints[i] for i in order]
-    steps = [steps[i] for i in order]
+    names, steps = _by_step(checkpoints)
     final = names[-1]
     loaded = {}
 
@@ -686,60 +748,15 @@ def saturation_section(
     bad = [f"{n}: {r['reason']}" for n, r in zip(names, results) if not r["available"]]
     if bad:
         raise ValueError("checkpoints cannot be compared with the final one: " + "; ".join(bad))
-    L = len(results[0]["top1"])
-    ones = [1.0] * L
-    own = {
-        "top1": ones,
-        "topk": ones,
-        "top1_permutation": results[0]["reference_top1_permutation"],
-        "topk_permutation": results[0]["reference_topk_permutation"],
-    }
-    per = [*results, own]
-    final_step = steps[-1]
-    E = results[0]["n_experts"]
-    if model_tokenizer is None:
-        tokenization = {
-            "same_as_model": True,
-            "model": model_name,
-            "reason": "the final checkpoint is the model",
-        }
-    else:
-        same = same_tokenization(loaded["final"].tokenizer, model_tokenizer, [t for t, _ in head])
-        tokenization = {
-            "same_as_model": same,
-            "model": model_name,
-            "reason": None
-            if same
-            else f"the checkpoints tokenise the first {len(head)} texts differently from {model_name}",
-        }
+    final_tokenizer = None if model_tokenizer is None else loaded["final"].tokenizer
     return {
         "available": True,
         "reason": None,
         "final": final,
-        "tokenization": tokenization,
+        "tokenization": _tokenization(final_tokenizer, model_tokenizer, model_name, [t for t, _ in head]),
         "n_texts": results[0]["n_texts"],
         "n_tokens": results[0]["n_tokens"],
-        "checkpoints": [
-            {
-                "name": n,
-                "step": s,
-                "fraction_of_training": round(s / final_step, 6) if s is not None and final_step else None,
-            }
-            for n, s in zip(names, steps)
-        ],
-        "by_layer": [
-            {
-                "layer": layer,
-                "top1": [r["top1"][layer] for r in per],
-                "topk": [r["topk"][layer] for r in per],
-                "top1_permutation": [r["top1_permutation"][layer] for r in per],
-                "topk_permutation": [r["topk_permutation"][layer] for r in per],
-            }
-            for layer in range(L)
-        ],
-        "mean_top1": [float(np.mean(r["top1"])) for r in per],
-        "mean_topk": [float(np.mean(r["topk"])) for r in per],
-        "random_baseline": {"top1": 1 / E, "topk": top_k / E},
+        **_saturation_curves(names, steps, results, top_k),
     }
 
 
