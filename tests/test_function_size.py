@@ -57,7 +57,6 @@ EXCEPTIONS: dict[str, str] = {
     "moee.evaluation.adapter:MoEEMTEBEncoder.__init__": "not yet split (17 parameters)",
     # Split next (areas of this package with work under way).
     "moee.analysis.specialization.report:saturation_section": "not yet split (9 parameters)",
-    "moee.capture.oracle:check_model": "not yet split (93 lines)",
     "moee.integrations.ray:embed_files": "not yet split (86 lines, 14 parameters)",
     "moee.analysis.specialization.report:build_report": "not yet split (81 lines, 17 parameters)",
     "moee.moe.upcycled:UpcycledMoEFFN.__init__": "not yet split (14 parameters)",

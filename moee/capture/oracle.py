@@ -231,6 +231,81 @@ def check_architecture(
     return check_model(tiny_model(model_type, **config_kwargs), model_type, lengths=lengths, atol=atol)
 
 
+class _RouterCalls:
+    """Which declared router produced which entry of the model's ``router_logits`` tuple, and each
+    router's selection-only bias, from its call (forward hooks on every declared router while in
+    the ``with``)."""
+
+    def __init__(self, declared: list) -> None:
+        self.declared = declared
+        self.order: list[int] = []
+        self.biases: dict[int, torch.Tensor | None] = {}
+        self.index_of = {spec.name: i for i, spec in enumerate(declared)}
+        self._handles: list = []
+
+    def __enter__(self) -> _RouterCalls:
+        self._handles = [
+            spec.router.register_forward_hook(lambda *a, i=i: self._on_call(*a, i), with_kwargs=True)
+            for i, spec in enumerate(self.declared)
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _on_call(self, module, args, kwargs, out, i) -> None:
+        self.order.append(i)
+        self.biases[i] = selection_bias(module, args, kwargs)
+
+    def bias(self, spec) -> torch.Tensor | None:
+        return self.biases[self.index_of[spec.name]]
+
+
+def _captured_and_outputs(
+    model: torch.nn.Module,
+    used: list,
+    calls: _RouterCalls,
+    batch: dict,
+    pooling: str,
+    score: str,
+    model_type: str,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward with both the recorder's hooks and ``output_router_logits``: the pooled scores the
+    recorder captured ``[B, L, E]``, and the model's own router output of each declared router by
+    name (each router must have run exactly once)."""
+    calls.order.clear()
+    with RoutingRecorder(model, used, pooling=pooling, score=score) as rec, torch.no_grad():
+        rec.set_batch(batch["attention_mask"])
+        out = model(**batch, output_router_logits=True, use_cache=False)
+        captured = rec.pooled_rw()
+    ref_outputs = out.router_logits
+    assert len(ref_outputs) == len(calls.order), (
+        f"{model_type}: {len(ref_outputs)} router outputs for {len(calls.order)} router calls"
+    )
+    by_name = {calls.declared[i].name: ref_outputs[k] for k, i in enumerate(calls.order)}
+    assert len(by_name) == len(calls.declared), f"{model_type}: a router ran more than once"
+    n_texts = batch["input_ids"].shape[0]
+    assert captured.shape == (n_texts, len(used), used[0].n_experts), captured.shape
+    return captured, by_name
+
+
+def _expected(spec, output: torch.Tensor, bias, batch: dict, pooling: str, score: str) -> torch.Tensor | None:
+    """What the recorder should have pooled for one router, computed here from the model's own router
+    ``output``; ``None`` where the router outputs probabilities and ``score`` asks for logits (the
+    model outputs none to compare with)."""
+    ref = output.detach().float().reshape(*batch["input_ids"].shape, -1)
+    if type(spec.router).__name__ in _OUTPUT_IS_PROBS:
+        if score == "logits":
+            return None
+        ref_scores = (
+            ref if score == "softmax" else apply_score(ref.log(), score, spec.rule, spec.router, bias)
+        )
+    else:
+        ref_scores = apply_score(ref, score, spec.rule, spec.router, bias)
+    return _reference(ref_scores, batch["attention_mask"], pooling)
+
+
 def check_model(
     model: torch.nn.Module,
     model_type: str | None = None,
@@ -248,66 +323,27 @@ def check_model(
     declared = [r for r in find_routers(model, include_attention=True) if r.kind != "hash"]
     report = router_report(model)
     diffs: dict[str, float] = {}
-
-    # Which declared router produced which entry of the model's router_logits tuple.
-    call_order: list[int] = []
-    biases: dict[int, torch.Tensor | None] = {}  # each router's selection-only bias, from its call
-
-    def on_call(module, args, kwargs, out, i):
-        call_order.append(i)
-        biases[i] = selection_bias(module, args, kwargs)
-
-    handles = [
-        spec.router.register_forward_hook(lambda *a, i=i: on_call(*a, i), with_kwargs=True)
-        for i, spec in enumerate(declared)
-    ]
-    index_of = {spec.name: i for i, spec in enumerate(declared)}
-    try:
+    with _RouterCalls(declared) as calls:
         for side in ("left", "right"):
             batch = padded_batch(list(lengths), vocab, side)
             for pooling in ("last", "mean"):
                 for score in SCORES:
-                    call_order.clear()
-                    with RoutingRecorder(model, used, pooling=pooling, score=score) as rec, torch.no_grad():
-                        rec.set_batch(batch["attention_mask"])
-                        out = model(**batch, output_router_logits=True, use_cache=False)
-                        captured = rec.pooled_rw()
-                    ref_outputs = out.router_logits
-                    assert len(ref_outputs) == len(call_order), (
-                        f"{model_type}: {len(ref_outputs)} router outputs for {len(call_order)} router calls"
+                    captured, by_name = _captured_and_outputs(
+                        model, used, calls, batch, pooling, score, model_type
                     )
-                    by_name = {declared[i].name: ref_outputs[k] for k, i in enumerate(call_order)}
-                    assert len(by_name) == len(declared), f"{model_type}: a router ran more than once"
-                    assert captured.shape == (len(lengths), len(used), used[0].n_experts), captured.shape
+                    key = f"{side}/{pooling}/{score}"
                     for layer, spec in enumerate(used):
-                        bias = biases[index_of[spec.name]]
-                        ref = (
-                            by_name[spec.name]
-                            .detach()
-                            .float()
-                            .reshape(len(lengths), batch["input_ids"].shape[1], -1)
+                        expected = _expected(
+                            spec, by_name[spec.name], calls.bias(spec), batch, pooling, score
                         )
-                        if type(spec.router).__name__ in _OUTPUT_IS_PROBS:
-                            if score == "logits":  # the model outputs no logits to compare with
-                                continue
-                            ref_scores = (
-                                ref
-                                if score == "softmax"
-                                else apply_score(ref.log(), score, spec.rule, spec.router, bias)
-                            )
-                        else:
-                            ref_scores = apply_score(ref, score, spec.rule, spec.router, bias)
-                        expected = _reference(ref_scores, batch["attention_mask"], pooling)
+                        if expected is None:
+                            continue
                         diff = float((captured[:, layer] - expected).abs().max())
-                        key = f"{side}/{pooling}/{score}"
                         diffs[key] = max(diffs.get(key, 0.0), diff)
                         assert diff <= atol, f"{model_type} {spec.name} {key}: max abs diff {diff:.3g}"
                         if score == "softmax":
                             sums = captured[:, layer].sum(dim=-1)
                             assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), sums
-    finally:
-        for handle in handles:
-            handle.remove()
     moe_layer_ids = {r.layer_index for r in find_routers(model, include_hash=True)}
     assert report["n_layers"] == len(report["dense_layers"]) + len(moe_layer_ids), report
     native_spread, selection_agreement, returned = _check_dispatch(model, used, vocab, model_type, spread_tol)
