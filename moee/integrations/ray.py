@@ -41,6 +41,7 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +481,94 @@ def watch_cluster(driver: int, roots: list[int], poll: float = 0.5) -> None:
     psutil.wait_procs(left, timeout=5)
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """The input files and how their rows are read: the text field, the id field, and the columns
+    (one type each) that every part yields."""
+
+    files: list[Path]
+    field: str
+    id_field: str | None
+    schema: Any
+
+    @classmethod
+    def of(cls, spec: str | Path, field: str | None, id_field: str | None) -> _Inputs:
+        """The files of ``spec`` with their schema, read before Ray starts (a bad input is named at once)."""
+        field = field or "text"
+        files = input_files(spec)
+        if any(input_format(f) == "txt" for f in files) and field != "text":
+            raise ValueError("--field applies to .jsonl and .parquet inputs, not .txt")
+        return cls(files, field, id_field, input_schema(files, field, id_field))
+
+
+def _check_has_rows(spec: str | Path, files: list[Path], plan: list[dict[str, Any]]) -> None:
+    """An input with no rows at all is named here: the staging folder would be named later."""
+    if not sum(p["rows"] for p in plan):
+        raise ValueError(
+            f"{files[0]} is empty: no texts to read"
+            if len(files) == 1
+            else f"input {spec}: every file is empty ({', '.join(map(str, files[:3]))}"
+            f"{', ...' if len(files) > 3 else ''}): no texts to read"
+        )
+
+
+def _actor_resources(num_gpus: float | None) -> dict[str, float]:
+    """What each embedding actor reserves: ``num_gpus`` if given, else one GPU where the cluster has
+    any; one CPU on a CPU-only cluster."""
+    import ray
+
+    gpus = num_gpus if num_gpus is not None else (1.0 if ray.cluster_resources().get("GPU") else 0.0)
+    return {"num_gpus": gpus} if gpus else {"num_cpus": 1}
+
+
+def _read_dataset(plan: list[dict[str, Any]], inputs: _Inputs) -> Any:
+    """The Ray dataset of the planned parts' rows, in input order."""
+    import ray
+    from ray.data import DataContext
+
+    DataContext.get_current().execution_options.preserve_order = True  # rows stay in input order
+    ds = ray.data.from_items(plan, override_num_blocks=max(1, len(plan)))
+    # reading is I/O next to the model forward: no CPU reserved, so actors holding every CPU
+    # (a CPU-only cluster) never starve the reads that feed them
+    return ds.map_batches(
+        _read_parts,
+        batch_size=1,
+        fn_kwargs={"field": inputs.field, "id_field": inputs.id_field, "schema": inputs.schema},
+        num_cpus=0,
+    )
+
+
+def _embed_dataset(
+    ds: Any,
+    *,
+    model: str | None,
+    load: dict[str, Any],
+    config: dict[str, Any],
+    id_field: str | None,
+    batch_size: int,
+    concurrency: int,
+    remote: dict[str, float],
+) -> Any:
+    """``ds`` through ``concurrency`` restartable ``MoEEmbedBatches`` actors (a killed one's batches
+    are retried, none lost or duplicated)."""
+    return ds.map_batches(
+        MoEEmbedBatches,
+        fn_constructor_kwargs={
+            "model": model,
+            "load": load,
+            "batch_size": batch_size,
+            "id_column": id_field,
+            **config,
+        },  # fmt: skip
+        batch_size=batch_size * 4,
+        batch_format="pyarrow",
+        concurrency=concurrency,
+        max_restarts=-1,
+        max_task_retries=-1,
+        **remote,
+    )
+
+
 def embed_files(
     spec: str | Path,
     out_dir: str | Path,
@@ -504,61 +593,32 @@ def embed_files(
 
     from moee.io import PARQUET_OUTPUT, StagedFolder, check_output_folder, run_metadata, write_parquet_sidecar
 
-    field = field or "text"
-    files = input_files(spec)
-    if any(input_format(f) == "txt" for f in files) and field != "text":
-        raise ValueError("--field applies to .jsonl and .parquet inputs, not .txt")
-    schema = input_schema(files, field, id_field)
-    inputs = {"INPUT": [spec, *files] if Path(spec).is_dir() else files, "--model": model}
-    out_dir = check_output_folder(out_dir, overwrite=overwrite, inputs=inputs, output=PARQUET_OUTPUT)
+    inputs = _Inputs.of(spec, field, id_field)
+    files = inputs.files
+    named = {"INPUT": [spec, *files] if Path(spec).is_dir() else files, "--model": model}
+    out_dir = check_output_folder(out_dir, overwrite=overwrite, inputs=named, output=PARQUET_OUTPUT)
     start_ray(address)
     plan = plan_parts(files, part_bytes or PART_BYTES)
-    if not sum(p["rows"] for p in plan):  # named here: the staging folder would be named later
-        raise ValueError(
-            f"{files[0]} is empty: no texts to read"
-            if len(files) == 1
-            else f"input {spec}: every file is empty ({', '.join(map(str, files[:3]))}"
-            f"{', ...' if len(files) > 3 else ''}): no texts to read"
-        )
-    gpus = num_gpus if num_gpus is not None else (1.0 if ray.cluster_resources().get("GPU") else 0.0)
-    remote = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
+    _check_has_rows(spec, files, plan)
+    remote = _actor_resources(num_gpus)
     facts = ray.get(ray.remote(**remote)(model_facts).remote(model, load, config))
-
-    from ray.data import DataContext
-
-    DataContext.get_current().execution_options.preserve_order = True  # rows stay in input order
-    ds = ray.data.from_items(plan, override_num_blocks=max(1, len(plan)))
-    # reading is I/O next to the model forward: no CPU reserved, so actors holding every CPU
-    # (a CPU-only cluster) never starve the reads that feed them
-    ds = ds.map_batches(
-        _read_parts,
-        batch_size=1,
-        fn_kwargs={"field": field, "id_field": id_field, "schema": schema},
-        num_cpus=0,
-    )
-    ds = ds.map_batches(
-        MoEEmbedBatches,
-        fn_constructor_kwargs={
-            "model": model,
-            "load": load,
-            "batch_size": batch_size,
-            "id_column": id_field,
-            **config,
-        },  # fmt: skip
-        batch_size=batch_size * 4,
-        batch_format="pyarrow",
+    ds = _embed_dataset(
+        _read_dataset(plan, inputs),
+        model=model,
+        load=load,
+        config=config,
+        id_field=id_field,
+        batch_size=batch_size,
         concurrency=concurrency,
-        max_restarts=-1,
-        max_task_retries=-1,
-        **remote,
+        remote=remote,
     )
     meta = {
         **settings,
         **{k: v for k, v in facts.items() if k != "dim"},
         "input": [str(f.resolve()) for f in files],
-        "field": field,
+        "field": inputs.field,
         "id_field": id_field,
-        "columns": [*schema.names, EMBEDDING_COLUMN],
+        "columns": [*inputs.schema.names, EMBEDDING_COLUMN],
         "engine": "ray",
         **run_metadata(),
     }
