@@ -412,6 +412,28 @@ def _progress(progress: bool, total: int | None, desc: str):
     return tqdm(total=total, unit="text", desc=desc, disable=not progress)
 
 
+def _sections_filled_later() -> dict[str, dict]:
+    """The sections a routing pass cannot fill, marked unavailable: the saturation (from
+    ``--checkpoints``, :func:`saturation_section`) and the causal sections (filled by ``moee report``
+    from ``moee ablate`` results)."""
+    sections = {"saturation": {"available": False, "reason": "no checkpoints given (--checkpoints)"}}
+    for section in (ablation, router_swap, steering):
+        sections[section.SECTION.id] = dict(section.UNAVAILABLE)
+    return sections
+
+
+def _selection_summary(layer_sources: list[set[str]]) -> dict[str, object]:
+    """Where each layer's counted experts came from (the router's own choice or a re-derivation), and
+    one line for them all (per layer only where the layers differ)."""
+    by_layer = [" / ".join(sorted(s)) for s in layer_sources]
+    return {
+        "selection_by_layer": by_layer,
+        "selection": by_layer[0]
+        if len(set(by_layer)) == 1
+        else "; ".join(f"L{i}: {name}" for i, name in enumerate(by_layer)),
+    }
+
+
 def build_report(
     embedder,
     corpus: Iterable[tuple[str, str | None]] | Iterable[str],
@@ -484,19 +506,11 @@ def build_report(
     report = acc.result(decode, min_token_count=min_token_count, progress=progress)
     if not predictions.available:
         report["token_specialization"]["by_key"]["predicted"]["reason"] = predictions.reason
-    report["saturation"] = {"available": False, "reason": "no checkpoints given (--checkpoints)"}
-    for section in (ablation, router_swap, steering):  # filled by `moee report` from `moee ablate` results
-        report[section.SECTION.id] = dict(section.UNAVAILABLE)
+    report.update(_sections_filled_later())
     report["token_view"] = view.result(decode)
     report["summary"]["top_k_source"] = source
     report["summary"]["state_bytes"] = acc.state_bytes()
-    by_layer = [" / ".join(sorted(s)) for s in layer_sources]
-    report["summary"]["selection_by_layer"] = by_layer
-    report["summary"]["selection"] = (
-        by_layer[0]
-        if len(set(by_layer)) == 1
-        else "; ".join(f"L{i}: {name}" for i, name in enumerate(by_layer))
-    )
+    report["summary"].update(_selection_summary(layer_sources))
     from moee.provenance import model_label
 
     report["summary"]["model"] = model_label(getattr(embedder, "name_or_path", type(embedder.model).__name__))
