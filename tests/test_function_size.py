@@ -69,7 +69,6 @@ EXCEPTIONS: dict[str, str] = {
     "moee.shard:_embed_own_rows": "not yet split (10 parameters)",
     "moee.shard:_merge_into": "not yet split (9 parameters)",
     "moee.integrations.ray:MoEEmbedBatches.__init__": "not yet split (9 parameters)",
-    "moee.moe.gates:HierarchicalGate.__init__": "not yet split (9 parameters)",
 }
 
 

@@ -15,6 +15,7 @@ from moee.moe import (
     ExpertChoiceGate,
     GateOutput,
     HierarchicalGate,
+    Hierarchy,
     LossFreeBalancedGate,
     NoisyTopKGate,
     SoftmaxGate,
@@ -237,7 +238,7 @@ def test_softmax_gate_hand_computed_importance_loss():
 
 def _random_hierarchical(seed: int = 0, **kw) -> HierarchicalGate:
     torch.manual_seed(seed)
-    gate = HierarchicalGate(6, 3, 4, 2, 2, **kw)
+    gate = HierarchicalGate(6, Hierarchy(3, 4, 2, 2), **kw)
     for p in gate.parameters():
         torch.nn.init.normal_(p)
     return gate
@@ -289,7 +290,7 @@ def test_hierarchical_load_and_importance_match_reference():
 
 
 def test_hierarchical_empty_group_guard():
-    gate = HierarchicalGate(4, 3, 2, 1, 1, w_importance=1.0, w_load=1.0)
+    gate = HierarchicalGate(4, Hierarchy(3, 2, 1, 1), w_importance=1.0, w_load=1.0)
     with torch.no_grad():
         gate.w_gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0.5, 0, 0, 0], [-5.0, 0, 0, 0]]))
     x = torch.rand(10, 4) + 0.1  # first feature positive: group 2 is never chosen
@@ -487,12 +488,12 @@ def test_noise_free_gate_starts_random_not_collapsed():
 
 def test_noise_free_hierarchical_gate_starts_random_not_collapsed():
     torch.manual_seed(0)
-    gate = HierarchicalGate(16, 4, 4, 1, 1, noisy=False)
+    gate = HierarchicalGate(16, Hierarchy(4, 4, 1, 1), noisy=False)
     assert torch.count_nonzero(gate.w_gate.weight) == gate.w_gate.weight.numel()
     assert torch.count_nonzero(gate.w_gate_secondary) == gate.w_gate_secondary.numel()
     out = gate(torch.randn(64, 16))
     assert torch.unique(out.indices).numel() > 5
-    noisy = HierarchicalGate(16, 4, 4, 1, 1)
+    noisy = HierarchicalGate(16, Hierarchy(4, 4, 1, 1))
     assert torch.count_nonzero(noisy.w_gate.weight) == 0 and torch.count_nonzero(noisy.w_gate_secondary) == 0
 
 
@@ -666,17 +667,25 @@ _BAD_ARGS = [
         ValueError,
         r"^w_importance must be a non-negative number",
     ),
-    (lambda: HierarchicalGate(0, 2, 2, 1, 1), ValueError, r"^d_model must be >= 1, got 0$"),
-    (lambda: HierarchicalGate(4, 0, 2, 1, 1), ValueError, r"^n_groups must be >= 1, got 0$"),
-    (lambda: HierarchicalGate(4, 2, 0, 1, 1), ValueError, r"^experts_per_group must be >= 1, got 0$"),
-    (lambda: HierarchicalGate(4, 2, 2, 3, 1), ValueError, r"^k_primary must be in \[1, 2\]"),
-    (lambda: HierarchicalGate(4, 2, 2, 1, 3), ValueError, r"^k_secondary must be in \[1, 2\]"),
+    (lambda: HierarchicalGate(0, Hierarchy(2, 2, 1, 1)), ValueError, r"^d_model must be >= 1, got 0$"),
+    (lambda: HierarchicalGate(4, Hierarchy(0, 2, 1, 1)), ValueError, r"^n_groups must be >= 1, got 0$"),
     (
-        lambda: HierarchicalGate(4, 2, 2, 1, 1, w_importance=-1.0),
+        lambda: HierarchicalGate(4, Hierarchy(2, 0, 1, 1)),
+        ValueError,
+        r"^experts_per_group must be >= 1, got 0$",
+    ),
+    (lambda: HierarchicalGate(4, Hierarchy(2, 2, 3, 1)), ValueError, r"^k_primary must be in \[1, 2\]"),
+    (lambda: HierarchicalGate(4, Hierarchy(2, 2, 1, 3)), ValueError, r"^k_secondary must be in \[1, 2\]"),
+    (
+        lambda: HierarchicalGate(4, Hierarchy(2, 2, 1, 1), w_importance=-1.0),
         ValueError,
         r"^w_importance must be a non-negative",
     ),
-    (lambda: HierarchicalGate(4, 2, 2, 1, 1, w_load=-1.0), ValueError, r"^w_load must be a non-negative"),
+    (
+        lambda: HierarchicalGate(4, Hierarchy(2, 2, 1, 1), w_load=-1.0),
+        ValueError,
+        r"^w_load must be a non-negative",
+    ),
     (lambda: BatchwiseBalancedGate(0, 3, 1), ValueError, r"^d_model must be >= 1, got 0$"),
     (lambda: BatchwiseBalancedGate(4, 0, 1), ValueError, r"^n_experts must be >= 1, got 0$"),
     (
@@ -731,7 +740,7 @@ def test_smallest_valid_arguments_and_boundary_values():
     for gate in (
         NoisyTopKGate(1, 1, 1),
         SoftmaxGate(1, 1),
-        HierarchicalGate(1, 1, 1, 1, 1),
+        HierarchicalGate(1, Hierarchy(1, 1, 1, 1)),
         BatchwiseBalancedGate(1, 1, 1),
         ExpertChoiceGate(1, 1, capacity_factor=0.5),  # a factor below 1 is valid
         LossFreeBalancedGate(1, 1, 1, gamma=0.0),  # gamma 0 (a frozen bias) is valid
@@ -756,7 +765,7 @@ def test_defaults_have_no_balancing_loss_and_small_random_inits():
         NoisyTopKGate(64, 64, 2, noisy=False),
     ):
         assert gate.w_gate.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    clean = HierarchicalGate(64, 8, 64, 1, 1, noisy=False)
+    clean = HierarchicalGate(64, Hierarchy(8, 64, 1, 1), noisy=False)
     assert clean.w_noise is None and clean.w_noise_secondary is None
     assert clean.w_gate_secondary.std().item() == pytest.approx(0.02, rel=0.05)
     assert clean.n_experts == 8 * 64 and clean.k == 1
@@ -817,7 +826,7 @@ def test_expert_choice_capacity_defaults_and_unrouted_tokens():
 
 
 def test_hierarchical_single_member_group_and_logits():
-    gate = HierarchicalGate(4, 3, 2, 1, 1).eval()
+    gate = HierarchicalGate(4, Hierarchy(3, 2, 1, 1)).eval()
     with torch.no_grad():
         gate.w_gate.weight.copy_(torch.eye(3, 4))  # group i <- feature i
         gate.w_gate_secondary.normal_()
@@ -840,7 +849,7 @@ def test_hierarchical_single_member_group_and_logits():
 def test_hierarchical_smooth_load_with_few_groups():
     """k_secondary >= n_groups: the secondary level still uses the smooth estimator."""
     torch.manual_seed(0)
-    gate = HierarchicalGate(6, 2, 4, 1, 2, w_load=1.0)
+    gate = HierarchicalGate(6, Hierarchy(2, 4, 1, 2), w_load=1.0)
     for p in gate.parameters():
         torch.nn.init.normal_(p)
     gate.train()

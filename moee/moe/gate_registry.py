@@ -33,6 +33,7 @@ from moee.moe.gates import (
     BatchwiseBalancedGate,
     ExpertChoiceGate,
     HierarchicalGate,
+    Hierarchy,
     LossFreeBalancedGate,
     NoisyTopKGate,
     SoftmaxGate,
@@ -369,10 +370,10 @@ def _check_loss_free(config: Any) -> None:
     _check_weights(config, "router_bias_gamma")
 
 
-def _hierarchy(config: Any) -> tuple[int, int, int, int]:
-    """``(n_groups, experts_per_group, k_primary, k_secondary)`` of a checked hierarchical config."""
+def _hierarchy(config: Any) -> Hierarchy:
+    """The groups and selections of a checked hierarchical config."""
     a, kp = config.router_n_groups, config.router_k_primary
-    return a, config.num_experts // a, kp, config.num_experts_per_tok // kp
+    return Hierarchy(a, config.num_experts // a, kp, config.num_experts_per_tok // kp)
 
 
 def _check_hierarchical(config: Any) -> None:
@@ -484,7 +485,7 @@ register(
         check=_check_hierarchical,
         build=lambda c: HierarchicalGate(
             c.hidden_size,
-            *_hierarchy(c),
+            _hierarchy(c),
             noisy=c.router_noisy,
             w_importance=c.router_w_importance,
             w_load=c.router_w_load,

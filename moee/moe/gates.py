@@ -33,6 +33,7 @@ __all__ = [
     "noisy_top_k",
     "SoftmaxGate",
     "NoisyTopKGate",
+    "Hierarchy",
     "HierarchicalGate",
     "BatchwiseBalancedGate",
     "ExpertChoiceGate",
@@ -294,6 +295,17 @@ class NoisyTopKGate(nn.Module):
         )
 
 
+@dataclass(frozen=True)
+class Hierarchy:
+    """The shape of a :class:`HierarchicalGate`: ``n_groups`` groups of ``experts_per_group``
+    experts, ``k_primary`` groups and ``k_secondary`` experts of each chosen group per token."""
+
+    n_groups: int
+    experts_per_group: int
+    k_primary: int
+    k_secondary: int
+
+
 class HierarchicalGate(nn.Module):
     """Two-level hierarchical gate (Shazeer et al. 2017, Appendix B).
 
@@ -322,16 +334,15 @@ class HierarchicalGate(nn.Module):
     def __init__(
         self,
         d_model: int,
-        n_groups: int,
-        experts_per_group: int,
-        k_primary: int,
-        k_secondary: int,
+        hierarchy: Hierarchy,
         noisy: bool = True,
         w_importance: float = 0.0,
         w_load: float = 0.0,
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
+        n_groups, experts_per_group = hierarchy.n_groups, hierarchy.experts_per_group
+        k_primary, k_secondary = hierarchy.k_primary, hierarchy.k_secondary
         _check_positive_int(d_model, "d_model")
         _check_positive_int(n_groups, "n_groups")
         _check_positive_int(experts_per_group, "experts_per_group")
