@@ -129,9 +129,11 @@ def make_hf_block(args: argparse.Namespace, impl: str) -> nn.Module:
 
 def make_ours(args: argparse.Namespace, ref: nn.Module) -> nn.Module:
     """Our MoELayer (deterministic top-k gate, SwiGLU experts) with the reference block's weights."""
+    from moee.moe.gates import NoisyTopKGate
     from moee.moe.layer import MoELayer
 
-    layer = MoELayer(args.d, args.hidden, args.experts, args.k, activation="swiglu", noisy=False)
+    gate = NoisyTopKGate(args.d, args.experts, args.k, noisy=False)
+    layer = MoELayer(args.d, args.hidden, args.experts, args.k, activation="swiglu", gate=gate)
     with torch.no_grad():
         layer.gate.gate.w_gate.weight.copy_(ref.gate.weight)  # [E, d]
         # transformers stores [E, 2h, d] (gate rows, then up rows) and [E, d, h]; ours is x @ W.

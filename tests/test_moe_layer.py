@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moee.moe.layer as layer_mod
+from moee.moe.gates import NoisyTopKGate
 from moee.moe.layer import Experts, MoEERouter, MoELayer, dispatch_combine, routing_stats
 
 
@@ -108,7 +109,9 @@ def test_routing_stats_known_values():
 
 def test_moe_layer_end_to_end_with_noisy_gate():
     torch.manual_seed(5)
-    layer = MoELayer(8, 6, n_experts=6, k=2, n_shared_experts=1, w_importance=0.1, w_load=0.1)
+    layer = MoELayer(
+        8, 6, n_experts=6, k=2, n_shared_experts=1, gate=NoisyTopKGate(8, 6, 2, w_importance=0.1, w_load=0.1)
+    )
     assert isinstance(layer.gate, MoEERouter)
     # zero-initialised noisy gate (Shazeer et al. 2017, Appendix A)
     assert all(torch.count_nonzero(p) == 0 for p in layer.gate.parameters())
@@ -309,14 +312,18 @@ def test_moe_layer_constructor_options_reach_the_gate_and_experts():
     MoELayer(8, 4, n_experts=4, k=4)  # k == n_experts is allowed
     with pytest.raises(ValueError, match=r"^n_shared_experts must be >= 0, got -1$"):
         MoELayer(8, 4, n_experts=4, n_shared_experts=-1)
-    relu = MoELayer(8, 4, n_experts=4, n_shared_experts=2, activation="relu", noisy=False)
+    relu = MoELayer(
+        8, 4, n_experts=4, n_shared_experts=2, activation="relu", gate=NoisyTopKGate(8, 4, 2, noisy=False)
+    )
     assert relu.experts.activation == "relu" and relu.shared_experts.ffn.activation == "relu"
     assert not relu.gate.gate.noisy and relu.gate.gate.w_noise is None
     x = torch.randn(20, 8)
     # the balancing weights reach the loss: hand CV^2 of the layer's own statistics (eval: counts)
     assert default.eval()(x)[1]["loss"].item() == 0.0  # default weights are 0
     for w_imp, w_load in ((0.5, 0.0), (0.0, 0.7)):
-        layer = MoELayer(8, 4, n_experts=4, noisy=False, w_importance=w_imp, w_load=w_load).eval()
+        layer = MoELayer(
+            8, 4, n_experts=4, gate=NoisyTopKGate(8, 4, 2, noisy=False, w_importance=w_imp, w_load=w_load)
+        ).eval()
         _, aux = layer(x)
 
         def cv2(v):
@@ -345,7 +352,7 @@ def test_a_noisy_gate_reports_the_load_of_its_noise_free_decision_in_training():
     """Training noise spreads the picks of a collapsed gate; the clean_* figures are those of the
     noise-free decision, equal to what the same layer reports in evaluation."""
     torch.manual_seed(0)
-    layer = MoELayer(8, 4, n_experts=4, k=1, noisy=True)
+    layer = MoELayer(8, 4, n_experts=4, k=1, gate=NoisyTopKGate(8, 4, 1, noisy=True))
     with torch.no_grad():
         layer.gate.gate.w_gate.weight.zero_()
         layer.gate.gate.w_gate.weight[2] = 0.01  # a small push towards expert 2 for every token

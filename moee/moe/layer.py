@@ -302,7 +302,8 @@ class MoELayer(nn.Module):
 
     Fine-grained experts (DeepSeekMoE / OLMoE) are simply many experts with a small
     `d_expert`; shared experts are always active and added unweighted. The default gate is
-    Shazeer's noisy top-k gate with zero-initialised `W_g` / `W_noise`.
+    Shazeer's noisy top-k gate with zero-initialised `W_g` / `W_noise` and no balancing losses;
+    for others pass the gate, e.g. `gate=NoisyTopKGate(d_model, n_experts, k, noisy=False)`.
 
     forward(x [..., d_model], token_mask=None) -> (y [..., d_model], aux) where aux holds
     `loss` (the gate's balancing losses, a differentiable scalar) and the routing statistics
@@ -320,9 +321,6 @@ class MoELayer(nn.Module):
         n_shared_experts: int = 0,
         d_shared: int | None = None,
         activation: str = "swiglu",
-        noisy: bool = True,
-        w_importance: float = 0.0,
-        w_load: float = 0.0,
     ):
         super().__init__()
         if not 1 <= k <= n_experts:
@@ -330,7 +328,7 @@ class MoELayer(nn.Module):
         if n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {n_shared_experts}")
         if gate is None:
-            gate = NoisyTopKGate(d_model, n_experts, k, noisy=noisy, w_importance=w_importance, w_load=w_load)
+            gate = NoisyTopKGate(d_model, n_experts, k)
         self.d_model = d_model
         self.n_experts = n_experts
         self.k = k
