@@ -16,7 +16,13 @@ import moee.moe.upcycle as up
 from moee.moe.delta import routed_parameter_ids
 from moee.moe.layer import dispatch_combine
 from moee.moe.trainer import TRAINABLE, load_config
-from moee.moe.upcycled import LoRAExperts, MoEEUpcycledForCausalLM, UpcycledMoEFFN
+from moee.moe.upcycled import (
+    DenseFFN,
+    LoRAExperts,
+    MoEEUpcycledConfig,
+    MoEEUpcycledForCausalLM,
+    UpcycledMoEFFN,
+)
 
 
 def lora(n_experts=4, top_k=2, rank=3, balance=False, **kwargs):
@@ -152,21 +158,19 @@ def test_lora_refusals_name_the_argument():
     with pytest.raises(ValueError, match="lora_rank must be a positive int"):
         up.upcycle(dense_model("llama"), n_experts=4, top_k=2, mode="lora", lora_rank=0)
     with pytest.raises(ValueError, match="mode 'lora' needs lora_rank >= 1"):
-        UpcycledMoEFFN(
-            d_model=4,
-            n_experts=2,
-            top_k=1,
-            expert_width=8,
-            shared_width=0,
-            mode="lora",
-            act=torch.nn.SiLU(),
-            gated=True,
-            bias_in=False,
-            bias_out=False,
-            gate=torch.nn.Linear(4, 2),
+        config = MoEEUpcycledConfig(
+            text_config=dense_model("llama").config.to_dict(),
+            num_experts=2,
+            num_experts_per_tok=1,
+            upcycle_mode="lora",
+            expert_lora_rank=2,
+            expert_intermediate_size=8,
             router_type="top_k",
-            lora_rank=2,
         )
+        ffn = DenseFFN(
+            w_act=torch.zeros(8, 4), w_down=torch.zeros(4, 8), act=torch.nn.SiLU(), w_up=torch.zeros(8, 4)
+        )
+        UpcycledMoEFFN(config, ffn, torch.nn.Linear(4, 2))
 
 
 @pytest.mark.slow

@@ -405,27 +405,20 @@ class UpcycledMoEFFN(nn.Module):
     ``gate`` is a gate of `moee.moe.gate_registry.GATES` (``build_gate(config)``) named by
     ``router_type``; gates that select a variable number of experts per token pad their slots,
     and only the real ones are computed.
+
+    Built from the model's ``config`` (experts, widths, mode, router type, LoRA rank), the dense
+    ``ffn`` it replaces (width, activation, gating, biases, dropout; its weights are copied by
+    `load_dense`, not here) and the ``gate`` (``build_gate(config)``).
     """
 
-    def __init__(
-        self,
-        *,
-        d_model: int,
-        n_experts: int,
-        top_k: int,
-        expert_width: int,
-        shared_width: int,
-        mode: str,
-        act: nn.Module,
-        gated: bool,
-        bias_in: bool,
-        bias_out: bool,
-        gate: nn.Module,
-        router_type: str,
-        dropout: nn.Module | None = None,
-        lora_rank: int = 0,
-    ) -> None:
+    def __init__(self, config: MoEEUpcycledConfig, ffn: DenseFFN, gate: nn.Module) -> None:
         super().__init__()
+        d_model, act, gated, dropout = ffn.d_model, ffn.act, ffn.gated, ffn.dropout
+        bias_in, bias_out = ffn.b_act is not None or ffn.b_up is not None, ffn.b_down is not None
+        n_experts, top_k, mode = config.num_experts, config.num_experts_per_tok, config.upcycle_mode
+        expert_width, shared_width = config.expert_intermediate_size, config.shared_intermediate_size
+        router_type = config.router_type
+        lora_rank = config.expert_lora_rank if mode == "lora" else 0
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if (mode == "lora") != (lora_rank > 0) or (mode == "lora" and shared_width != expert_width):
@@ -629,25 +622,7 @@ class MoEEUpcycledPreTrainedModel(PreTrainedModel):
         self._no_split_modules = getattr(dense, "_no_split_modules", None)
         for layer in moe_layers(dense.base_model, rule):
             ffn = rule.read(layer)
-            rule.install(
-                layer,
-                UpcycledMoEFFN(
-                    d_model=ffn.d_model,
-                    n_experts=config.num_experts,
-                    top_k=config.num_experts_per_tok,
-                    expert_width=config.expert_intermediate_size,
-                    shared_width=config.shared_intermediate_size,
-                    mode=config.upcycle_mode,
-                    act=ffn.act,
-                    gated=ffn.gated,
-                    bias_in=ffn.b_act is not None or ffn.b_up is not None,
-                    bias_out=ffn.b_down is not None,
-                    dropout=ffn.dropout,
-                    gate=build_gate(config),
-                    router_type=config.router_type,
-                    lora_rank=config.expert_lora_rank if config.upcycle_mode == "lora" else 0,
-                ),
-            )
+            rule.install(layer, UpcycledMoEFFN(config, ffn, build_gate(config)))
         self.post_init()
 
     @property
