@@ -136,6 +136,7 @@ def run_embed(settings: EmbedSettings, *, log: Log = _stderr) -> int:
     info = shard.shard_info(settings.shard_rank, settings.num_shards)
     out_dir = Path(settings.out)
     check_output_dir(out_dir)
+    run = shard.ShardRun(settings.input, out_dir, info, record, field=settings.field)
     if shard.prepare_shard_dir(out_dir, settings.input, info, record, field=settings.field):
         log(f"{info.name} is already complete in {out_dir}; skipping it")
     else:
@@ -148,11 +149,7 @@ def run_embed(settings: EmbedSettings, *, log: Log = _stderr) -> int:
         facts = run_facts(embedder, settings.batch_size)
         written = shard.embed_shard(
             encoder,
-            settings.input,
-            out_dir,
-            info,
-            record,
-            field=settings.field,
+            run,
             chunk_size=settings.chunk_size,
             metadata=lambda: {**facts, "truncated_texts": encoder.truncated},
             progress=settings.progress,

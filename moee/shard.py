@@ -303,48 +303,53 @@ def prepare_shard_dir(
     return problem is None
 
 
+@dataclass(frozen=True)
+class ShardRun:
+    """One process' part of a sharded run: the input it reads its share of, the shards' folder,
+    its place in the run and what the manifest records (``settings``: everything that changes the
+    numbers; ``field``: the JSONL/Parquet text field)."""
+
+    input_path: str | Path
+    out_dir: str | Path
+    info: ShardInfo
+    settings: dict[str, Any]
+    field: str | None = None
+
+
 def embed_shard(
     encode: EncodeFn,
-    input_path: str | Path,
-    out_dir: str | Path,
-    info: ShardInfo,
-    settings: dict[str, Any],
+    run: ShardRun,
     *,
-    field: str | None = None,
     chunk_size: int = 4096,
     metadata: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     progress: bool | None = None,
     total_rows: int | None = None,
 ) -> Path | None:
-    """Embed this process' rows of ``input_path`` into ``out_dir``; ``None`` if already done.
+    """Embed this process' rows of ``run.input_path`` into ``run.out_dir``; ``None`` if already done.
 
-    ``settings`` (everything that changes the numbers) goes into the manifest and every
+    ``run.settings`` (everything that changes the numbers) goes into the manifest and every
     sidecar; ``metadata`` adds sidecar-only facts (resolved model path, batch size), or is a
     callable giving them once every row is embedded (e.g. the number of truncated texts).
     Every shard's sidecar records the digest of the whole input's texts (``texts_sha256``).
     ``total_rows``: the input's row count, for the progress bar's total.
     """
-    if prepare_shard_dir(out_dir, input_path, info, settings, field=field):
+    if prepare_shard_dir(run.out_dir, run.input_path, run.info, run.settings, field=run.field):
         return None
-    npy = Path(out_dir) / f"{info.name}.npy"
+    npy = Path(run.out_dir) / f"{run.info.name}.npy"
     with output_lock(npy, "shard"):  # a second process of the same rank is refused, not mixed in
-        return _embed_own_rows(
-            encode, input_path, npy, info, settings, field, chunk_size, metadata, progress, total_rows
-        )
+        return _embed_own_rows(encode, run, npy, chunk_size, metadata, progress, total_rows)
 
 
 def _embed_own_rows(
     encode: EncodeFn,
-    input_path: str | Path,
+    run: ShardRun,
     npy: Path,
-    info: ShardInfo,
-    settings: dict[str, Any],
-    field: str | None,
     chunk_size: int,
     metadata: dict[str, Any] | Callable[[], dict[str, Any]] | None,
     progress: bool | None,
     total_rows: int | None,
 ) -> Path:
+    input_path, info, settings, field = run.input_path, run.info, run.settings, run.field
     sidecar_path(npy).unlink(missing_ok=True)  # a stale sidecar must never describe the new rows
     counter = _Counter(read_own_texts(input_path, info, field))
     part = own_part(input_path, info)
@@ -434,7 +439,7 @@ def merge_shards(
 
     out_path = Path(out_path) if out_path is not None else out_dir / MERGED
     with output_lock(out_path):
-        return _merge_into(out_path, out_dir, manifest_path, manifest, paths, metas, n, dim, overwrite)
+        return _merge_into(out_path, out_dir, manifest, paths, metas, (n, dim), overwrite)
 
 
 def _merged_rows(
@@ -475,14 +480,15 @@ def _merged_rows(
 def _merge_into(
     out_path: Path,
     out_dir: Path,
-    manifest_path: Path,
     manifest: dict[str, Any],
     paths: list[Path],
     metas: list[dict[str, Any]],
-    n: int,
-    dim: int,
+    shape: tuple[int, int],
     overwrite: bool,
 ) -> Path:
+    """Write the merged rows of ``out_dir``'s shards, ``shape`` (rows, dimension) in all, to
+    ``out_path`` and record the merge in its manifest."""
+    manifest_path, (n, dim) = out_dir / MANIFEST, shape
     world = len(paths)
     if not overwrite and out_path.exists():
         raise FileExistsError(f"{out_path} already exists; pass --overwrite to replace it")

@@ -63,9 +63,6 @@ EXCEPTIONS: dict[str, str] = {
     "moee.analysis.specialization.accumulator:SpecializationAccumulator.__init__": (
         "not yet split (10 parameters)"
     ),
-    "moee.shard:embed_shard": "not yet split (10 parameters)",
-    "moee.shard:_embed_own_rows": "not yet split (10 parameters)",
-    "moee.shard:_merge_into": "not yet split (9 parameters)",
     "moee.integrations.ray:MoEEmbedBatches.__init__": "not yet split (9 parameters)",
 }
 

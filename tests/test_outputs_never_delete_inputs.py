@@ -410,7 +410,9 @@ def _shards(tmp_path):
     corpus.write_text("".join(f"text number {i}\n" for i in range(9)))
     out_dir = tmp_path / "shards"
     for rank in range(2):
-        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(rank, 2, rank), SETTINGS)
+        shard.embed_shard(
+            FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(rank, 2, rank), SETTINGS)
+        )
     return corpus, out_dir
 
 

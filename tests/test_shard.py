@@ -95,7 +95,9 @@ def test_shards_merge_to_the_single_process_result(tmp_path, corpus, world):
     out_dir = tmp_path / "shards"
     for rank in range(world):  # world=30 > 23 rows: some shards are empty
         shard.embed_shard(
-            FakeEncoder(), corpus, out_dir, shard.ShardInfo(rank, world, rank), SETTINGS, chunk_size=4
+            FakeEncoder(),
+            shard.ShardRun(corpus, out_dir, shard.ShardInfo(rank, world, rank), SETTINGS),
+            chunk_size=4,
         )
     merged = shard.merge_shards(out_dir)
     assert merged == out_dir / "embeddings.npy"
@@ -114,9 +116,11 @@ def test_shards_merge_to_the_single_process_result(tmp_path, corpus, world):
 def test_resume_skips_complete_shards_and_redoes_crashed_ones(tmp_path, corpus):
     out_dir = tmp_path / "shards"
     info0, info1 = shard.ShardInfo(0, 2, 0), shard.ShardInfo(1, 2, 1)
-    shard.embed_shard(FakeEncoder(), corpus, out_dir, info0, SETTINGS, chunk_size=4)
+    shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, info0, SETTINGS), chunk_size=4)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        shard.embed_shard(FakeEncoder(fail_after=5), corpus, out_dir, info1, SETTINGS, chunk_size=4)
+        shard.embed_shard(
+            FakeEncoder(fail_after=5), shard.ShardRun(corpus, out_dir, info1, SETTINGS), chunk_size=4
+        )
     assert not shard.shard_is_complete(out_dir, 1, 2)
     assert not (out_dir / "shard-00001-of-00002.npy").exists()
     with pytest.raises(ValueError, match=r"shards \[1\] of 2 are missing or incomplete"):
@@ -126,11 +130,11 @@ def test_resume_skips_complete_shards_and_redoes_crashed_ones(tmp_path, corpus):
 
     mtime = (out_dir / "shard-00000-of-00002.npy").stat().st_mtime_ns
     again = FakeEncoder()
-    assert shard.embed_shard(again, corpus, out_dir, info0, SETTINGS) is None
+    assert shard.embed_shard(again, shard.ShardRun(corpus, out_dir, info0, SETTINGS)) is None
     assert again.seen == 0  # the complete shard is not recomputed
     assert (out_dir / "shard-00000-of-00002.npy").stat().st_mtime_ns == mtime
     resumed = FakeEncoder()
-    assert shard.embed_shard(resumed, corpus, out_dir, info1, SETTINGS) is not None
+    assert shard.embed_shard(resumed, shard.ShardRun(corpus, out_dir, info1, SETTINGS)) is not None
     assert resumed.seen == len(_share(corpus, 1, 2))
     np.testing.assert_array_equal(np.load(shard.merge_shards(out_dir)), FakeEncoder()(_texts(corpus)))
 
@@ -138,27 +142,30 @@ def test_resume_skips_complete_shards_and_redoes_crashed_ones(tmp_path, corpus):
 def test_a_shard_with_a_broken_sidecar_is_redone(tmp_path, corpus):
     out_dir = tmp_path / "shards"
     info = shard.ShardInfo(0, 1, 0)
-    path = shard.embed_shard(FakeEncoder(), corpus, out_dir, info, SETTINGS)
+    path = shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, info, SETTINGS))
     meta = read_metadata(path)
     sidecar_path(path).write_text(json.dumps({**meta, "rows": {**meta["rows"], "count": 3}}))
     assert not shard.shard_is_complete(out_dir, 0, 1)
     enc = FakeEncoder()
-    assert shard.embed_shard(enc, corpus, out_dir, info, SETTINGS) is not None and enc.seen == 23
+    assert (
+        shard.embed_shard(enc, shard.ShardRun(corpus, out_dir, info, SETTINGS)) is not None and enc.seen == 23
+    )
 
 
 def test_a_different_run_is_refused(tmp_path, corpus):
     out_dir = tmp_path / "shards"
-    shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS)
+    shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS))
     with pytest.raises(ValueError, match=r"different run \(settings differ\)"):
         shard.embed_shard(
-            FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), {**SETTINGS, "method": "rw"}
+            FakeEncoder(),
+            shard.ShardRun(corpus, out_dir, shard.ShardInfo(0, 2, 0), {**SETTINGS, "method": "rw"}),
         )
     with pytest.raises(ValueError, match=r"different run \(world differ\)"):
-        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 3, 0), SETTINGS)
+        shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(0, 3, 0), SETTINGS))
     with corpus.open("a") as f:
         f.write("one more line\n")
     with pytest.raises(ValueError, match=r"different run \(input differ\)"):
-        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS)
+        shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS))
 
 
 def test_merge_errors(tmp_path):
@@ -253,7 +260,9 @@ def _two_shards(tmp_path, corpus):
     out_dir = tmp_path / "shards"
     for rank in range(2):
         shard.embed_shard(
-            FakeEncoder(), corpus, out_dir, shard.ShardInfo(rank, 2, rank), SETTINGS, chunk_size=4
+            FakeEncoder(),
+            shard.ShardRun(corpus, out_dir, shard.ShardInfo(rank, 2, rank), SETTINGS),
+            chunk_size=4,
         )
     return out_dir, out_dir / "shard-00001-of-00002.npy"
 
@@ -278,7 +287,10 @@ def test_a_corrupted_shard_is_named_at_merge_and_recomputed_on_resume(tmp_path, 
     assert not (out_dir / "embeddings.npy").exists()
     again = FakeEncoder()
     with pytest.warns(UserWarning, match="recomputing shard-00001-of-00002"):
-        assert shard.embed_shard(again, corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS) is not None
+        assert (
+            shard.embed_shard(again, shard.ShardRun(corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS))
+            is not None
+        )
     assert again.seen == len(_share(corpus, 1, 2))  # the damaged shard is recomputed, not skipped
     merged = shard.merge_shards(out_dir)
     np.testing.assert_array_equal(read_embeddings(merged)[0], FakeEncoder()(_texts(corpus)))
@@ -292,21 +304,24 @@ def test_the_manifest_records_each_shards_content_hash(tmp_path, corpus):
         name = f"shard-{rank:05d}-of-00002.npy"
         assert manifest["shards"][name] == read_metadata(out_dir / name)["data_sha256"]
     # a rerun of the same command is still the same run
-    assert shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS) is None
+    assert (
+        shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS))
+        is None
+    )
 
 
 def test_reordered_input_rows_are_a_different_run(tmp_path, corpus):
     out_dir = tmp_path / "shards"
-    shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS)
+    shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS))
     stat = corpus.stat()
     lines = corpus.read_text().splitlines(keepends=True)
     corpus.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same size
     os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same modification time
     # rank 1 reads only its own, unchanged share; rank 0's complete shard is refused on resume
     # (its share's texts changed) and the merge refuses to mix them
-    shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS)
+    shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(1, 2, 1), SETTINGS))
     with pytest.raises(ValueError, match=r"different run \(input differ: the rows of shard-00000-of-00002"):
-        shard.embed_shard(FakeEncoder(), corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS)
+        shard.embed_shard(FakeEncoder(), shard.ShardRun(corpus, out_dir, shard.ShardInfo(0, 2, 0), SETTINGS))
     with pytest.raises(ValueError, match=r"shards disagree on the input texts \(shard-00000-of-00002\.npy"):
         shard.merge_shards(out_dir)
 
@@ -344,7 +359,9 @@ def test_parquet_input_is_shared_by_row_groups_and_merges_to_parquet(tmp_path, c
     pq.write_table(pa.table({"text": texts}), source, row_group_size=5)  # 5 row groups
     out_dir = tmp_path / "shards"
     for rank in range(3):
-        shard.embed_shard(FakeEncoder(), source, out_dir, shard.ShardInfo(rank, 3, rank), SETTINGS)
+        shard.embed_shard(
+            FakeEncoder(), shard.ShardRun(source, out_dir, shard.ShardInfo(rank, 3, rank), SETTINGS)
+        )
     counts = [read_metadata(out_dir / f"{shard.shard_name(r, 3)}.npy")["rows"] for r in range(3)]
     assert counts == [
         {"part": [0, 1], "count": 5},
