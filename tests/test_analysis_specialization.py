@@ -10,6 +10,7 @@ import pytest
 from moee.analysis.specialization import (
     REPORT_SECTIONS,
     SELECTION_RETURNED,
+    BaselineDraws,
     SpecializationAccumulator,
     build_report,
     model_top_k,
@@ -287,7 +288,7 @@ def test_vocabulary_baseline_is_the_exact_permutation_expectation():
     """Four tokens w5 w5 w6 w6 routed e0 e0 e1 e1 (L=1, E=2, k=1). Shuffling the four routes over
     the positions (6 equally likely arrangements), w5 gets both copies of one expert in 2 of them
     (max count 2) and one of each in 4 (max 1): E[max] = 4/3 for each type, baseline (4/3 + 4/3)/4."""
-    acc = SpecializationAccumulator(1, 2, 1, permutations=3000, seed=1)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=3000, seed=1))
     probs = np.array([[[0.9, 0.1]], [[0.8, 0.2]], [[0.3, 0.7]], [[0.1, 0.9]]])
     acc.update(np.array([5, 5, 6, 6]), probs, text_index=0)
     rep = acc.result(decode, min_token_count=1)
@@ -304,7 +305,7 @@ def test_layer_agreement_baseline_is_the_exact_permutation_expectation():
     """First choices e0 e0 e1 e1 in both layers (E=2). Pairing layer 1 randomly with layer 0, the
     table is [[a, 2-a], [2-a, a]] with P(a=2) = P(a=0) = 1/6, P(a=1) = 4/6: matched agreement
     1, 1, 1/2 -> 2/3, NMI 1, 1, 0 -> 1/3."""
-    acc = SpecializationAccumulator(2, 2, 1, permutations=3000, seed=2)
+    acc = SpecializationAccumulator(2, 2, 1, draws=BaselineDraws(permutations=3000, seed=2))
     route = np.array([[[0.9, 0.1]] * 2, [[0.8, 0.2]] * 2, [[0.3, 0.7]] * 2, [[0.1, 0.9]] * 2])
     acc.update(np.array([1, 2, 3, 4]), route, text_index=0)
     pair = acc.result(decode, min_token_count=1)["layer_agreement"]["pairs"][0]
@@ -320,9 +321,9 @@ def _routes_of(router, ids, L, E, rng):
     return p / p.sum(-1, keepdims=True)
 
 
-def _stream(router, *, L=3, E=8, k=2, n_texts=120, seed=0, **kw):
+def _stream(router, *, L=3, E=8, k=2, n_texts=120, seed=0, permutations=10, baseline_sample=None):
     rng = np.random.default_rng(seed)
-    acc = SpecializationAccumulator(L, E, k, **kw)
+    acc = SpecializationAccumulator(L, E, k, draws=BaselineDraws(permutations, sample=baseline_sample))
     for i in range(n_texts):
         T = int(rng.integers(5, 40))
         ids = (rng.zipf(1.4, T) % 200).astype(np.int64)
@@ -575,7 +576,7 @@ def test_layer_agreement_baseline_with_unequal_margins():
     """Layer 0 first choices e0 e0 e0 e1, layer 1 e0 e1 e1 e1. Pairing them at random, the single
     e0 of layer 1 meets an e0 of layer 0 with probability 3/4 (table [[1, 2], [0, 1]], best
     matching 2 of 4) and the e1 otherwise ([[0, 3], [1, 0]], 4 of 4): 3/4 * 1/2 + 1/4 * 1 = 5/8."""
-    acc = SpecializationAccumulator(2, 2, 1, permutations=3000, seed=4)
+    acc = SpecializationAccumulator(2, 2, 1, draws=BaselineDraws(permutations=3000, seed=4))
     hi, lo = [0.9, 0.1], [0.1, 0.9]
     route = np.array([[hi, hi], [hi, lo], [hi, lo], [lo, lo]])
     acc.update(np.array([1, 2, 3, 4]), route, text_index=0)
@@ -584,7 +585,7 @@ def test_layer_agreement_baseline_with_unequal_margins():
     # E=3, layer 0 e0 e0 e1 e2, layer 1 e0 e0 e0 e1: layer 1's e1 meets a layer-0 e0 (p 1/2, best
     # matching 2 of 4) or the e1 / e2 (p 1/2, 3 of 4): 5/8 again, while pairing with the margins
     # of layer 0 on both sides would give 3/4
-    acc = SpecializationAccumulator(2, 3, 1, permutations=3000, seed=4)
+    acc = SpecializationAccumulator(2, 3, 1, draws=BaselineDraws(permutations=3000, seed=4))
     e = np.eye(3) * 0.8 + 0.1
     acc.update(
         np.array([1, 2, 3, 4]),
@@ -605,7 +606,7 @@ def test_repetition_baseline_for_one_and_two_tokens():
 
 
 def test_baselines_method_block_and_min_token_count():
-    acc = SpecializationAccumulator(1, 2, 1, permutations=4, seed=9)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=4, seed=9))
     probs = np.array([[[0.9, 0.1]], [[0.8, 0.2]], [[0.3, 0.7]], [[0.1, 0.9]], [[0.6, 0.4]]])
     acc.update(np.array([5, 5, 6, 6, 7]), probs, text_index=0, domain="d")
     base = acc.baselines()
@@ -658,7 +659,7 @@ def test_vocabulary_section_by_hand():
     experts += [1, 1, 3]
     probs = np.full((len(ids), 1, 4), 0.1)
     probs[np.arange(len(ids)), 0, experts] = 0.7
-    acc = SpecializationAccumulator(1, 4, 1, permutations=2)
+    acc = SpecializationAccumulator(1, 4, 1, draws=BaselineDraws(permutations=2))
     acc.update(np.array(ids), probs, text_index=0)
     voc = acc.result(decode, min_token_count=2)["vocabulary"]
     (layer,) = voc["by_layer"]

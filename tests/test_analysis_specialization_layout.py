@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_analysis_specialization_page import make_report
 
-from moee.analysis.specialization import SpecializationAccumulator, render_html
+from moee.analysis.specialization import BaselineDraws, SpecializationAccumulator, render_html
 from moee.analysis.specialization.sections.experts import context_pieces
 
 VOCAB = ["the", "user", "##s", "product", "[SEP]"]
@@ -72,7 +72,7 @@ def test_no_title_of_a_figure_overlaps_another_axes(monkeypatch):
     out without constrained layout."""
     rng = np.random.default_rng(0)
     L, E, k = 8, 16, 2
-    acc = SpecializationAccumulator(L, E, k, permutations=1)
+    acc = SpecializationAccumulator(L, E, k, draws=BaselineDraws(permutations=1))
     for i in range(40):
         ids = rng.integers(0, 30, 20)
         p = rng.dirichlet(np.ones(E), size=(20, L))

@@ -6,7 +6,7 @@ domains' JSD weights, the first choice, the heatmap's experts, the domain fracti
 import numpy as np
 import pytest
 
-from moee.analysis.specialization import SpecializationAccumulator
+from moee.analysis.specialization import BaselineDraws, SpecializationAccumulator
 from moee.analysis.specialization.sections.coactivation import (
     HEATMAP_EXPERTS,
     MIN_EXPECTED,
@@ -43,7 +43,7 @@ def test_token_baseline_draws_only_from_the_tokens_the_statistic_counts():
     the statistic must sit at its baseline; drawing the rare types' routes too would put the
     baseline near a max over four experts instead of two."""
     rng = np.random.default_rng(0)
-    acc = SpecializationAccumulator(1, 4, 1, permutations=20, seed=3)
+    acc = SpecializationAccumulator(1, 4, 1, draws=BaselineDraws(permutations=20, seed=3))
     rare = 1000
     for i in range(40):
         ids = np.concatenate([rng.integers(0, 10, 20), rare + np.arange(20) + 20 * i])
@@ -83,7 +83,8 @@ def test_set_counts_and_ratios_by_hand():
 
 def _coactivation(sets_of, n_texts=100, T=30, E=32, k=4, L=2, seed=0, **kw):
     rng = np.random.default_rng(seed)
-    acc = SpecializationAccumulator(L, E, k, permutations=kw.pop("permutations", 4), seed=seed, **kw)
+    draws = BaselineDraws(kw.pop("permutations", 4), seed, kw.pop("baseline_sample", None))
+    acc = SpecializationAccumulator(L, E, k, draws=draws, **kw)
     for i in range(n_texts):
         sel = np.stack([sets_of(rng, T) for _ in range(L)], axis=1)
         acc.update(rng.integers(0, 50, T), routes(sel, E), text_index=i, selected=sel)
@@ -148,7 +149,7 @@ def _texts_router(n_texts=240, E=16, k=2, L=4, domains="abcd", by_domain=False, 
     """Every token of a text takes the same k experts, drawn per text (``by_domain``: per domain),
     texts dealt to the domains at random."""
     rng = np.random.default_rng(seed)
-    acc = SpecializationAccumulator(L, E, k, permutations=30, seed=seed)
+    acc = SpecializationAccumulator(L, E, k, draws=BaselineDraws(permutations=30, seed=seed))
     fixed = {d: random_sets(rng, L, E, k) for d in domains}
     for i in range(n_texts):
         T = int(rng.integers(10, 40))
@@ -182,7 +183,7 @@ def test_a_router_that_depends_on_the_domain_scores_far_above_its_domain_baselin
 
 def test_an_independent_router_repeats_at_its_within_text_baseline():
     rng = np.random.default_rng(4)
-    acc = SpecializationAccumulator(2, 8, 2, permutations=2)
+    acc = SpecializationAccumulator(2, 8, 2, draws=BaselineDraws(permutations=2))
     for i in range(200):
         T = int(rng.integers(5, 30))
         sel = np.stack([random_sets(rng, T, 8, 2, np.linspace(4, 1, 8)) for _ in range(2)], axis=1)
@@ -200,7 +201,7 @@ def test_domain_text_sample_is_bounded_and_independent_of_arrival_order(monkeypa
     texts = [(i, rng.integers(0, 3, (int(rng.integers(1, 9)), 2, 1)), "ab"[i % 2]) for i in range(30)]
 
     def run(items):
-        acc = SpecializationAccumulator(2, 3, 1, permutations=5, seed=1)
+        acc = SpecializationAccumulator(2, 3, 1, draws=BaselineDraws(permutations=5, seed=1))
         for i, sel, d in items:
             acc.update(np.arange(sel.shape[0]), routes(sel, 3), text_index=i, domain=d, selected=sel)
         return acc, acc.result(decode, min_token_count=1)["domains"]
@@ -218,7 +219,7 @@ def test_domain_text_sample_is_bounded_and_independent_of_arrival_order(monkeypa
 def test_domain_jsd_weights_the_domains_by_their_token_shares():
     """Domain a: 30 tokens, all expert 0; domain b: 10 tokens, all expert 1. Disjoint loads: the JSD
     is the entropy of the weights (3/4, 1/4), not log 2 as with equal weights."""
-    acc = SpecializationAccumulator(1, 2, 1, permutations=2)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=2))
     for i in range(6):
         acc.update(np.arange(5), routes(np.zeros((5, 1, 1), int), 2), text_index=i, domain="a")
     for i in range(6, 8):
@@ -232,7 +233,7 @@ def test_domain_fraction_is_the_share_of_the_domains_tokens_so_it_sums_to_k():
     """k = 2: every token counts for two experts, so a domain's fractions N_k(E, D) / N_D sum to 2
     and an expert in every token's top-k has fraction 1."""
     rng = np.random.default_rng(0)
-    acc = SpecializationAccumulator(1, 5, 2, permutations=2)
+    acc = SpecializationAccumulator(1, 5, 2, draws=BaselineDraws(permutations=2))
     for i in range(10):
         sel = np.stack([np.zeros(8, int), 1 + rng.integers(0, 4, 8)], axis=1)[:, None, :]
         acc.update(np.arange(8), routes(sel, 5), text_index=i, domain="ab"[i % 2], selected=sel)
@@ -284,7 +285,7 @@ def test_repetition_counts_two_token_texts_and_texts_without_pairs():
 def test_token_baselines_of_a_key_without_counted_types_and_a_single_draw():
     """Inputs all distinct (no input type counted) but one predicted token throughout: the input
     key has no baseline, the predicted key still has one; one draw over two layers."""
-    acc = SpecializationAccumulator(2, 3, 1, permutations=1)
+    acc = SpecializationAccumulator(2, 3, 1, draws=BaselineDraws(permutations=1))
     sel = np.zeros((12, 2, 1), int)
     sel[::2] = 1
     acc.update(np.arange(12), routes(sel, 3), text_index=0, predicted=np.full(12, 7))

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from moee.analysis.specialization import SpecializationAccumulator
+from moee.analysis.specialization import BaselineDraws, SpecializationAccumulator
 from moee.analysis.specialization.html import (
     SECTIONS,
     render_html,
@@ -39,7 +39,9 @@ def _texts(n_texts: int = 6, seed: int = 0):
 def make_report(n_texts: int = 6, seed: int = 0, model: str = "<b>model</b>") -> dict:
     """A real accumulator's report over hand-made routes (corpus text includes ``HOSTILE``) plus a
     ``token_view`` of every token: the page's input without a model."""
-    acc = SpecializationAccumulator(L, E, K, n_contexts=2, context_window=2, permutations=2, seed=seed)
+    acc = SpecializationAccumulator(
+        L, E, K, n_contexts=2, context_window=2, draws=BaselineDraws(permutations=2, seed=seed)
+    )
     texts = _texts(n_texts, seed)
     for i, (ids, p) in enumerate(texts):
         acc.update(ids, p, text_index=i, domain=HOSTILE[i % 2] if i % 3 else "plain")

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from moee.analysis.specialization import SpecializationAccumulator, render_html, write_report
+from moee.analysis.specialization import BaselineDraws, SpecializationAccumulator, render_html, write_report
 from moee.analysis.specialization import sections as registry
 from moee.analysis.specialization.html import page_sections
 from moee.analysis.specialization.markup import Page, _table
@@ -25,7 +25,7 @@ DRIVER = {"meta", "saturation", "ablation", "router_swap", "steering", "token_vi
 
 def _accumulator(n_texts: int = 12, seed: int = 0) -> SpecializationAccumulator:
     rng = np.random.default_rng(seed)
-    acc = SpecializationAccumulator(L, E, K, permutations=2, seed=seed)
+    acc = SpecializationAccumulator(L, E, K, draws=BaselineDraws(permutations=2, seed=seed))
     for i in range(n_texts):
         ids = rng.integers(0, 9, 6 + i % 3)
         p = rng.dirichlet(np.ones(E), size=(ids.size, L))

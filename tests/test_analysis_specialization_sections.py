@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from moee.analysis.specialization import SpecializationAccumulator
+from moee.analysis.specialization import BaselineDraws, SpecializationAccumulator
 from moee.analysis.specialization.sections.cross_layer import _transition_stats
 from moee.analysis.specialization.sections.domains import _generalized_jsd
 from moee.analysis.specialization.sections.token_specialization import _token_specialization_stats
@@ -32,7 +32,7 @@ def test_next_token_routing_is_found_by_the_next_key_only():
     next-token key is perfectly specialised (1.0); the input key is not; predicted = the given ids."""
     ids = np.array([0, 1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1] * 4)
     nxt = np.append(ids[1:], 0)
-    acc = SpecializationAccumulator(1, 2, 1, permutations=20)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=20))
     acc.update(ids, one_hot(nxt[:, None] % 2, 2), text_index=0, predicted=nxt)
     ts = acc.result(decode, min_token_count=2)["token_specialization"]
     assert ts["keys"] == ["input", "next", "predicted"] and ts["random_baseline"] == 0.5
@@ -48,7 +48,7 @@ def test_next_token_routing_is_found_by_the_next_key_only():
 
 
 def test_predicted_key_is_unavailable_without_predictions():
-    acc = SpecializationAccumulator(1, 2, 1, permutations=2)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=2))
     acc.update(np.array([1, 2, 1]), one_hot([[0], [1], [0]], 2), text_index=0)
     pred = acc.result(decode, min_token_count=1)["token_specialization"]["by_key"]["predicted"]
     assert pred["available"] is False and pred["reason"]
@@ -73,7 +73,7 @@ def test_expert_specialization_is_the_mean_of_its_top_n_fractions_with_missing_a
 def test_token_specialization_baseline_is_the_exact_permutation_expectation():
     """w5 w5 w6 w6 routed e0 e0 e1 e1: shuffled, each type keeps both of one expert in 2 of 6
     arrangements, so E[weighted max] = 2/3 (the known vocabulary answer), for the input key."""
-    acc = SpecializationAccumulator(1, 2, 1, permutations=2000, seed=3)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=2000, seed=3))
     acc.update(np.array([5, 5, 6, 6]), one_hot([[0], [0], [1], [1]], 2), text_index=0)
     layer = acc.result(decode, min_token_count=1)["token_specialization"]["by_key"]["input"]["by_layer"][0]
     assert layer["weighted_max_fraction"] == pytest.approx(1.0)
@@ -83,7 +83,7 @@ def test_token_specialization_baseline_is_the_exact_permutation_expectation():
 # ----------------------------------------------------------------- router entropy
 def test_router_entropy_and_kl_on_known_distributions():
     p = np.array([[[0.6, 0.2, 0.1, 0.1]], [[0.25, 0.25, 0.25, 0.25]]])  # T=2, L=1, E=4
-    acc = SpecializationAccumulator(1, 4, 2, permutations=1)
+    acc = SpecializationAccumulator(1, 4, 2, draws=BaselineDraws(permutations=1))
     acc.update(np.array([1, 2]), p, text_index=0, selected=np.array([[[0, 1]], [[2, 3]]]))
     ent = acc.result(decode, min_token_count=1)["router_entropy"]
     row = ent["by_layer"][0]
@@ -104,7 +104,7 @@ def test_cross_layer_pairs_find_a_deterministic_successor():
     """Layer 1's expert is (layer 0's + 1) mod 4 on every token: each such pair has lift E = 4."""
     rng = np.random.default_rng(0)
     e0 = rng.permutation(np.arange(400) % 4)  # equal loads: lift exactly N / load = 4
-    acc = SpecializationAccumulator(2, 4, 1, permutations=5)
+    acc = SpecializationAccumulator(2, 4, 1, draws=BaselineDraws(permutations=5))
     acc.update(np.arange(400) % 7, one_hot(np.stack([e0, (e0 + 1) % 4], 1), 4), text_index=0)
     pair = acc.result(decode, min_token_count=1)["cross_layer"]["pairs"][0]
     assert pair["layers"] == [0, 1]
@@ -119,7 +119,7 @@ def test_cross_layer_excess_of_repeated_top2_sets_is_one_half():
     cells, 0 elsewhere; X = N/4 everywhere: TV = 16 (N/4) / (2 N k^2) = 1/2."""
     sets = np.array([[0, 1], [2, 3]] * 50)
     sel = np.stack([sets, sets], axis=1)  # [N, L=2, k=2]
-    acc = SpecializationAccumulator(2, 4, 2, permutations=3)
+    acc = SpecializationAccumulator(2, 4, 2, draws=BaselineDraws(permutations=3))
     acc.update(np.arange(100) % 5, np.full((100, 2, 4), 0.25), text_index=0, selected=sel)
     pair = acc.result(decode, min_token_count=1)["cross_layer"]["pairs"][0]
     assert pair["excess"] == pytest.approx(0.5) and pair["max_lift"] == pytest.approx(2.0)
@@ -143,7 +143,7 @@ def test_domain_jsd_known_values():
     )
     # ten texts a domain (the null deals whole texts out to the domains; with one text each, any
     # dealing would give log 2 again)
-    acc = SpecializationAccumulator(1, 2, 1, permutations=50)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=50))
     for i in range(10):
         acc.update(np.arange(20), one_hot(np.zeros((20, 1), int), 2), text_index=2 * i, domain="a")
         acc.update(np.arange(20), one_hot(np.ones((20, 1), int), 2), text_index=2 * i + 1, domain="b")
@@ -151,7 +151,7 @@ def test_domain_jsd_known_values():
     row = doms["specialization_by_layer"][0]
     assert doms["names"] == ["a", "b"]
     assert row["jsd"] == pytest.approx(np.log(2)) and row["jsd_baseline"] < 0.1
-    acc = SpecializationAccumulator(1, 2, 1, permutations=5)
+    acc = SpecializationAccumulator(1, 2, 1, draws=BaselineDraws(permutations=5))
     acc.update(np.arange(20), one_hot(np.zeros((20, 1), int), 2), text_index=0, domain="a")
     acc.update(np.arange(20), one_hot(np.ones((20, 1), int), 2), text_index=1, domain="b")
     row = acc.result(decode, min_token_count=1)["domains"]["specialization_by_layer"][0]
@@ -161,7 +161,7 @@ def test_domain_jsd_known_values():
 def test_coactivation_independent_baseline_matches_uniform_reference_on_equal_loads():
     E, k = 4, 2
     sel = np.array([[[a, b]] for a in range(E) for b in range(E) if a < b])  # every pair once
-    acc = SpecializationAccumulator(1, E, k, permutations=1)
+    acc = SpecializationAccumulator(1, E, k, draws=BaselineDraws(permutations=1))
     acc.update(np.arange(sel.shape[0]), np.full((sel.shape[0], 1, E), 1 / E), text_index=0, selected=sel)
     co = acc.result(decode, min_token_count=1)["coactivation"]
     assert co["by_layer"][0]["max_ratio_baseline"] == pytest.approx((k - 1) / (E - 1))
@@ -316,7 +316,9 @@ def test_streaming_state_does_not_grow_with_the_corpus():
     rng = np.random.default_rng(0)
 
     def state(n_texts):
-        acc = SpecializationAccumulator(2, 4, 2, permutations=1, baseline_sample=64, vocab_size=20)
+        acc = SpecializationAccumulator(
+            2, 4, 2, vocab_size=20, draws=BaselineDraws(permutations=1, sample=64)
+        )
         for i in range(n_texts):
             ids = rng.integers(0, 20, 30)
             acc.update(ids, rng.dirichlet(np.ones(4), size=(30, 2)), text_index=i, predicted=ids)
@@ -341,7 +343,7 @@ def test_streaming_state_does_not_grow_with_the_corpus():
     assert small["input-counts"] == 20 * 2 * 4 * 4  # the whole vocabulary, int32
     # what it reports holding: every array counted once (tables, sample buffers, contexts, ...)
     held = sum(v for k, v in small.items() if k not in ("state_bytes", "sample"))
-    sample = SpecializationAccumulator(2, 4, 2, baseline_sample=64)._sample
+    sample = SpecializationAccumulator(2, 4, 2, draws=BaselineDraws(sample=64))._sample
     held += sum(getattr(sample, n).nbytes for n in ("priority", "text", "pos", "sel", "tok"))
     assert small["state_bytes"] == held
 

@@ -5,7 +5,7 @@ reductions (numpy only: fast enough to mutation-test)."""
 import numpy as np
 import pytest
 
-from moee.analysis.specialization import SpecializationAccumulator
+from moee.analysis.specialization import BaselineDraws, SpecializationAccumulator
 
 
 def decode(ids):
@@ -63,7 +63,7 @@ def test_token_tables_cap_counts_the_rest_as_untracked():
     L, E, k = 1, 3, 1
     ids_a, ids_b = np.array([5, 2, 5, 9, 2]), np.array([7, 2, 1, 1])
     sel_a, sel_b = np.array([[[0]], [[1]], [[0]], [[2]], [[1]]]), np.array([[[2]], [[1]], [[0]], [[0]]])
-    acc = SpecializationAccumulator(L, E, k, max_token_types=3, permutations=1)
+    acc = SpecializationAccumulator(L, E, k, max_token_types=3, draws=BaselineDraws(permutations=1))
     for i, (ids, sel) in enumerate([(ids_a, sel_a), (ids_b, sel_b), (np.array([4]), np.array([[[0]]]))]):
         acc.update(ids, np.full((ids.size, L, E), 1 / E), text_index=i, selected=sel)
     ids, n_t, counts = acc.token_table("input")
@@ -135,7 +135,7 @@ def test_observed_token_statistics_do_not_depend_on_the_row_block(monkeypatch):
     texts = _random_texts(np.random.default_rng(2), 60, 40, L, E, k)
 
     def run():
-        acc = SpecializationAccumulator(L, E, k, permutations=1)
+        acc = SpecializationAccumulator(L, E, k, draws=BaselineDraws(permutations=1))
         for i, (ids, sel) in enumerate(texts):
             acc.update(ids, np.full((ids.size, L, E), 1 / E), text_index=i, selected=sel)
         return acc.result(decode, min_token_count=2)["token_specialization"]

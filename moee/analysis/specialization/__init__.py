@@ -56,7 +56,7 @@ from __future__ import annotations
 # the helpers the tests check directly, importable from here as before the split
 from moee.analysis.overlap import matched_from_table as _matched_from_table  # noqa: F401
 from moee.analysis.overlap import nmi_from_table as _nmi_from_table  # noqa: F401
-from moee.analysis.specialization.accumulator import SpecializationAccumulator
+from moee.analysis.specialization.accumulator import BaselineDraws, SpecializationAccumulator
 from moee.analysis.specialization.html import render_html
 from moee.analysis.specialization.report import (
     REPORT_SECTIONS,
@@ -93,6 +93,7 @@ __all__ = [
     "model_top_k",
     "selection_scorers",
     "read_corpus",
+    "BaselineDraws",
     "SpecializationAccumulator",
     "BASELINE_SAMPLE_BYTES",
     "SELECTION_RETURNED",

@@ -12,6 +12,7 @@ every section's JSON part.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,14 +26,26 @@ from moee.analysis.specialization.statistics import (
     _TokenTables,
 )
 
-__all__ = ["SpecializationAccumulator"]
+__all__ = ["BaselineDraws", "SpecializationAccumulator"]
+
+
+@dataclass(frozen=True)
+class BaselineDraws:
+    """How the permutation baselines are drawn: ``permutations`` draws per baseline from a
+    generator seeded with ``seed``, on a sample of at most ``sample`` token routes (``None``: as
+    many as fit in ``BASELINE_SAMPLE_BYTES``). Checked by `SpecializationAccumulator`."""
+
+    permutations: int = 10
+    seed: int = 0
+    sample: int | None = None
 
 
 class SpecializationAccumulator:
     """Streams token routes ``probs [T, L, E]`` into bounded-memory routing statistics.
 
-    ``permutations`` and ``seed`` set the permutation baselines; ``baseline_sample`` bounds the
-    number of token routes kept for them (default: as many as fit in ``BASELINE_SAMPLE_BYTES``).
+    ``draws`` (`BaselineDraws`) sets the permutation baselines: ``permutations`` and ``seed``, and
+    ``sample``, the bound on the number of token routes kept for them (default: as many as fit in
+    ``BASELINE_SAMPLE_BYTES``).
     ``vocab_size`` (the model's, when known) sizes the per-token-type tables at once;
     ``max_token_types`` caps their rows (default: every type of the vocabulary, at most as many
     as fit in ``TOKEN_TABLE_BYTES``); types seen beyond the cap are reported as untracked.
@@ -44,14 +57,14 @@ class SpecializationAccumulator:
         n_experts: int,
         top_k: int,
         *,
+        draws: BaselineDraws | None = None,
         n_contexts: int = 5,
         context_window: int = 6,
-        permutations: int = 10,
-        seed: int = 0,
-        baseline_sample: int | None = None,
         vocab_size: int | None = None,
         max_token_types: int | None = None,
     ):
+        draws = draws if draws is not None else BaselineDraws()
+        permutations, seed, baseline_sample = draws.permutations, draws.seed, draws.sample
         for name, value in (
             ("n_layers", n_layers),
             ("n_experts", n_experts),

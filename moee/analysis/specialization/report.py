@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moee.analysis.specialization import sections as registry
-from moee.analysis.specialization.accumulator import SpecializationAccumulator
+from moee.analysis.specialization.accumulator import BaselineDraws, SpecializationAccumulator
 from moee.analysis.specialization.html import render_html
 from moee.analysis.specialization.sections import ablation, router_swap, steering
 from moee.analysis.specialization.sections.token_view import TokenView
@@ -468,11 +468,9 @@ def build_report(
         n_layers,
         n_experts,
         top_k,
+        draws=BaselineDraws(permutations, seed, baseline_sample),
         n_contexts=n_contexts,
         context_window=context_window,
-        permutations=permutations,
-        seed=seed,
-        baseline_sample=baseline_sample,
         vocab_size=vocab_size(embedder),
         max_token_types=max_token_types,
     )
@@ -550,7 +548,7 @@ def routing_overlap(
 
     def routed(embedder, desc):
         L, E = int(embedder.n_moe_layers), int(embedder.n_experts)
-        selector = SpecializationAccumulator(L, E, top_k, permutations=1)
+        selector = SpecializationAccumulator(L, E, top_k, draws=BaselineDraws(permutations=1))
         rows, left = [], max_tokens
         with _progress(progress, len(texts), desc) as bar:
             for item in _iter_routes(embedder, iter(texts), selector, batch_size=batch_size, chunk_size=512):
