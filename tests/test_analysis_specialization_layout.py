@@ -119,7 +119,7 @@ def test_a_saturation_series_of_another_tokenizer_is_marked(tmp_path):
     """Checkpoints whose tokenizer differs from the model's: the section records it and the page
     says it; the same tokenizer gives no such note."""
     pytest.importorskip("torch")
-    from moee.analysis.specialization import same_tokenization, saturation_section
+    from moee.analysis.specialization import ReportedModel, same_tokenization, saturation_section
     from moee.capture.tiny import tiny_model, tiny_tokenizer
     from moee.embed.embedder import MoEEmbedder
 
@@ -134,10 +134,10 @@ def test_a_saturation_series_of_another_tokenizer_is_marked(tmp_path):
         def __call__(self, text):
             return {"input_ids": [(i + 1) % len(vocab) for i in tok(text)["input_ids"]]}
 
-    kw = dict(top_k=2, load=models.__getitem__, progress=False, model_name="<m>")
-    same = saturation_section(["1", "2"], texts, model_tokenizer=tok, **kw)
+    kw = dict(top_k=2, load=models.__getitem__, progress=False)
+    same = saturation_section(["1", "2"], texts, model=ReportedModel("<m>", tok), **kw)
     assert same["tokenization"]["same_as_model"] is True
-    differs = saturation_section(["1", "2"], texts, model_tokenizer=Shifted(), **kw)
+    differs = saturation_section(["1", "2"], texts, model=ReportedModel("<m>", Shifted()), **kw)
     assert differs["tokenization"] == {
         "same_as_model": False,
         "model": "<m>",

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -716,6 +717,15 @@ def _saturation_curves(
     }
 
 
+@dataclass(frozen=True)
+class ReportedModel:
+    """The model a report describes, as the router-saturation section checks checkpoints against
+    it: its ``name`` (recorded) and ``tokenizer`` (``None``: the final checkpoint is that model)."""
+
+    name: str | None
+    tokenizer: Any = None
+
+
 def saturation_section(
     checkpoints: Sequence[str],
     corpus: Iterable[tuple[str, str | None]] | Iterable[str],
@@ -725,17 +735,17 @@ def saturation_section(
     max_tokens: int = 65536,
     batch_size: int = 16,
     progress: bool = True,
-    model_tokenizer=None,
-    model_name: str | None = None,
+    model: ReportedModel | None = None,
 ) -> dict:
     """Router saturation over training (OLMoE paper, section 5): per layer, the overlap of each
     checkpoint's top-1 / top-k selection with the final checkpoint's on the same tokens.
 
     ``checkpoints`` are sorted by training step where every step is known (else taken as given);
-    the last is the final one; ``fraction_of_training`` = step / final step. ``model_tokenizer``
-    (the tokenizer of the model the report describes, ``model_name``) is checked against the final
-    checkpoint's on the first texts: ``tokenization.same_as_model`` says whether the checkpoints
-    tokenise the corpus as that model does (if not, they are another model's series)."""
+    the last is the final one; ``fraction_of_training`` = step / final step. ``model`` is the model
+    the report describes: its tokenizer is checked against the final checkpoint's on the first
+    texts: ``tokenization.same_as_model`` says whether the checkpoints tokenise the corpus as that
+    model does (if not, they are another model's series)."""
+    model_tokenizer, model_name = (model.tokenizer, model.name) if model is not None else (None, None)
     if len(checkpoints) < 2:
         raise ValueError(f"--checkpoints needs at least two checkpoints, got {len(checkpoints)}")
     names, steps = _by_step(checkpoints)

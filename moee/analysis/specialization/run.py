@@ -79,7 +79,7 @@ def _saturation(
 ) -> dict:
     """The router-saturation section over ``s.checkpoints`` (k from the model, else the final
     checkpoint, when ``s.top_k`` is not given)."""
-    from moee.analysis.specialization import saturation_section
+    from moee.analysis.specialization import ReportedModel, saturation_section
     from moee.analysis.specialization.report import _resolve_top_k
 
     k = s.top_k
@@ -94,8 +94,7 @@ def _saturation(
         max_tokens=s.overlap_tokens,
         batch_size=s.batch_size,
         progress=progress,
-        model_tokenizer=tokenizer,
-        model_name=s.model,
+        model=ReportedModel(s.model, tokenizer),
     )
 
 
