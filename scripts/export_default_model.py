@@ -50,8 +50,14 @@ def read_log(path: Path) -> list[dict]:
     return [record for _, record in iter_jsonl(path)]
 
 
-def plot_curve(log: list[dict], unigram_loss: float, out: Path) -> None:
-    """Training loss (smoothed), held-out loss and the unigram baseline against step."""
+def plot_curve(
+    log: list[dict],
+    baseline_loss: float,
+    out: Path,
+    baseline_label: str = "unigram baseline",
+    title: str = "moee default model: training curve",
+) -> None:
+    """Training loss (smoothed), held-out loss and a baseline's loss against step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,10 +83,10 @@ def plot_curve(log: list[dict], unigram_loss: float, out: Path) -> None:
             ms=3,
             label="held-out loss",
         )
-    ax.axhline(unigram_loss, color="C3", ls="--", lw=1, label=f"unigram baseline ({unigram_loss:.2f})")
+    ax.axhline(baseline_loss, color="C3", ls="--", lw=1, label=f"{baseline_label} ({baseline_loss:.2f})")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("moee default model: training curve")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the delta's stored precision (default %(default)s: half the bytes; every figure is "
         "measured on the model assembled from the stored delta)",
     )
+    parser.add_argument(
+        "--run",
+        default=None,
+        help="the training run folder (its log.jsonl is copied as training_log.jsonl and drawn as "
+        "training_curve.png; default: the checkpoint's parent folder)",
+    )
     parser.add_argument("--train", default="build/corpus/train.jsonl", help="documents to calibrate on")
     parser.add_argument(
         "--calibrate-steps",
@@ -205,6 +211,22 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/export_smollm2_moe.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     }
+    run = Path(args.run) if args.run else Path(args.checkpoint).parent
+    if (run / "log.jsonl").is_file():  # the run's log up to this checkpoint, and its curve
+        from export_default_model import plot_curve
+
+        step = int(Path(args.checkpoint).name.rsplit("_", 1)[-1])
+        log = [row for _, row in iter_jsonl(run / "log.jsonl") if row.get("step", 0) <= step]
+        with open(out / "training_log.jsonl", "w") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in log)
+        plot_curve(
+            log,
+            math.log(ppl_dense),
+            out / "training_curve.png",
+            baseline_label=f"dense SmolLM2, {WINDOWS} held-out windows",
+            title="SmolLM2 MoE: routers and adapters trained (held-out: the run's own windows)",
+        )
+        metrics["training_log"] = {"run": str(run), "rows": len(log)}
     write_json_atomic(out / "metrics.json", metrics)
     print(
         json.dumps({k: metrics[k] for k in ("perplexity", "delta_bytes")}),
