@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moee.analysis.overlap import METRICS, overlap_for_texts, plot_overlap_sweep
+from moee.analysis.overlap import METRICS, ClusteringRuns, overlap_for_texts, plot_overlap_sweep
 from moee.data.offline_tasks import load_task_data
 from moee.embed.embedder import MoEEmbedder
 from moee.io import run_metadata, write_json_atomic
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         for pname, prompt in PROMPTS.items():
             print(f"{data}/{pname}: {len(texts)} texts", flush=True)
             results[f"{data}/{pname}"] = overlap_for_texts(
-                embedder, texts, KS, labels=labels, prompt=prompt, seed=args.seed
+                embedder, texts, KS, labels=labels, prompt=prompt, clustering=ClusteringRuns(seed=args.seed)
             )
     meta = {
         **run_metadata(["python", *sys.argv]),

@@ -16,6 +16,7 @@ import pytest
 import moee.analysis.overlap as overlap
 from moee.analysis.overlap import (
     METRICS,
+    ClusteringRuns,
     chance_agreement,
     clustering_overlap,
     flatten_rw,
@@ -304,7 +305,9 @@ def test_kmeans_partition_uses_the_documented_recipe(monkeypatch):
     for run in (
         lambda **kw: clustering_overlap(rw, hs, 2, **kw),
         lambda **kw: overlap_sweep(rw, hs, [2], **kw),
-        lambda **kw: overlap_for_texts(FakeTracer(rw, hs), ["a", "b", "c", "d"], [2], **kw),
+        lambda **kw: overlap_for_texts(
+            FakeTracer(rw, hs), ["a", "b", "c", "d"], [2], clustering=ClusteringRuns(**kw)
+        ),
     ):
         seen.clear()
         run()
@@ -404,7 +407,8 @@ def test_overlap_for_texts_traces_once_and_sweeps():
     rw = _rw_with_groups(gold)
     tracer = FakeTracer(rw, hs)
     texts = tuple(f"t{i}" for i in range(len(gold)))
-    out = overlap_for_texts(tracer, texts, [2, 3], labels=gold, prompt="prompteol", seed=2, chance_permutations=3, batch_size=7)  # fmt: skip
+    runs = ClusteringRuns(seed=2, chance_permutations=3)
+    out = overlap_for_texts(tracer, texts, [2, 3], labels=gold, prompt="prompteol", clustering=runs, batch_size=7)  # fmt: skip
     assert tracer.calls == [
         (list(texts), {"pooling": "last", "prompt": "prompteol", "score": DEFAULT_SCORE, "batch_size": 7})
     ]

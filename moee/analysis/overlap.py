@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -45,6 +46,7 @@ __all__ = [
     "clustering_overlap",
     "overlap_sweep",
     "flatten_rw",
+    "ClusteringRuns",
     "overlap_for_texts",
     "plot_overlap_sweep",
 ]
@@ -229,6 +231,17 @@ def overlap_sweep(
     ]
 
 
+@dataclass(frozen=True)
+class ClusteringRuns:
+    """How every k of a sweep is clustered and its chance level drawn: k-means with ``n_init``
+    restarts seeded with ``seed``, and the chance agreement averaged over ``chance_permutations``
+    size-preserving permutations drawn from the same seed (the keywords of ``clustering_overlap``)."""
+
+    seed: int = 0
+    n_init: int = 10
+    chance_permutations: int = 10
+
+
 def overlap_for_texts(
     embedder,
     texts: Sequence[str],
@@ -236,23 +249,23 @@ def overlap_for_texts(
     *,
     labels: Sequence | None = None,
     prompt: str | None = None,
-    seed: int = 0,
-    n_init: int = 10,
-    chance_permutations: int = 10,
+    clustering: ClusteringRuns | None = None,
     batch_size: int = 32,
     score: str = DEFAULT_SCORE,
 ) -> dict:
     """Trace ``texts`` once (last-token HS and RW under ``score``, by default the routers' own
-    scoring rule) and run ``overlap_sweep`` over ``ks``."""
+    scoring rule) and run ``overlap_sweep`` over ``ks`` as ``clustering`` says (default:
+    ``ClusteringRuns()``)."""
+    runs = clustering if clustering is not None else ClusteringRuns()
     trace = embedder.trace(list(texts), pooling="last", prompt=prompt, score=score, batch_size=batch_size)
     sweep = overlap_sweep(
         trace.rw,
         trace.hs,
         ks,
         labels=labels,
-        seed=seed,
-        n_init=n_init,
-        chance_permutations=chance_permutations,
+        seed=runs.seed,
+        n_init=runs.n_init,
+        chance_permutations=runs.chance_permutations,
     )
     return {
         "n_texts": len(texts),
