@@ -125,7 +125,7 @@ def run_embed(settings: EmbedSettings, *, log: Log = _stderr) -> int:
         return 0
     record = settings.record()
     if settings.engine == "ray":
-        return _embed_with_ray(settings, record, log)
+        return _embed_with_ray(settings, log)
     read_texts(settings.input, field=settings.field)  # checks the path and field at once
 
     if not settings.sharded:
@@ -168,30 +168,14 @@ def run_embed(settings: EmbedSettings, *, log: Log = _stderr) -> int:
     return 0
 
 
-def _embed_with_ray(settings: EmbedSettings, record: dict[str, Any], log: Log) -> int:
+def _embed_with_ray(settings: EmbedSettings, log: Log) -> int:
     """``engine="ray"`` (``moee.integrations.ray.embed_files``): the configuration resolved here is
     passed to the actors in full, so they embed exactly what the sidecar records."""
-    from dataclasses import asdict
-
     try:
         from moee.integrations.ray import embed_files
     except ImportError as exc:
         raise ImportError(f"--engine ray needs Ray: pip install 'moee[ray]' ({exc})") from None
-    out = embed_files(
-        settings.input,
-        settings.out,
-        model=settings.model,
-        config=asdict(settings.config),
-        load=settings.load.to_dict(),
-        settings=record,
-        field=settings.field,
-        id_field=settings.id_field,
-        batch_size=settings.batch_size,
-        concurrency=settings.concurrency,
-        num_gpus=settings.num_gpus,
-        address=settings.address,
-        overwrite=settings.overwrite,
-    )
+    out = embed_files(settings)
     shape = tuple(read_parquet_sidecar(out)["shape"])
     log(f"wrote {out} {shape}")
     return 0

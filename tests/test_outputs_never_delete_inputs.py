@@ -440,6 +440,7 @@ def test_merge_to_parquet_overwrite_keeps_a_users_notes_and_sub_folder(tmp_path,
 
 def test_ray_embed_into_its_input_folder_is_refused_before_ray_starts(tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'moee[ray]')")
+    from moee.embed.settings import EmbedSettings
     from moee.integrations.ray import embed_files
 
     data = tmp_path / "d"
@@ -449,7 +450,7 @@ def test_ray_embed_into_its_input_folder_is_refused_before_ray_starts(tmp_path):
     before = _tree(data)
     for out in (data, tmp_path):
         with pytest.raises(ValueError, match="the input INPUT"):
-            embed_files(data, out, model=None, config={}, load={}, settings={}, overwrite=True)
+            embed_files(EmbedSettings(input=str(data), out=str(out), overwrite=True, engine="ray"))
     assert _tree(data) == before
 
 

@@ -41,9 +41,9 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -57,6 +57,9 @@ from moee.io import (
     read_part_records,
     split_input,
 )
+
+if TYPE_CHECKING:
+    from moee.embed.settings import EmbedSettings
 
 __all__ = ["MoEEmbedBatches", "embed_files", "input_files", "input_schema", "model_facts", "start_ray"]
 
@@ -538,86 +541,55 @@ def _read_dataset(plan: list[dict[str, Any]], inputs: _Inputs) -> Any:
     )
 
 
-def _embed_dataset(
-    ds: Any,
-    *,
-    model: str | None,
-    load: dict[str, Any],
-    config: dict[str, Any],
-    id_field: str | None,
-    batch_size: int,
-    concurrency: int,
-    remote: dict[str, float],
-) -> Any:
-    """``ds`` through ``concurrency`` restartable ``MoEEmbedBatches`` actors (a killed one's batches
-    are retried, none lost or duplicated)."""
+def _embed_dataset(ds: Any, settings: EmbedSettings, remote: dict[str, float]) -> Any:
+    """``ds`` through ``settings.concurrency`` restartable ``MoEEmbedBatches`` actors (a killed
+    one's batches are retried, none lost or duplicated), each given the model, its loading options
+    and the configuration in full."""
     return ds.map_batches(
         MoEEmbedBatches,
         fn_constructor_kwargs={
-            "model": model,
-            "load": load,
-            "batch_size": batch_size,
-            "id_column": id_field,
-            **config,
+            "model": settings.model,
+            "load": settings.load.to_dict(),
+            "batch_size": settings.batch_size,
+            "id_column": settings.id_field,
+            **asdict(settings.config),
         },  # fmt: skip
-        batch_size=batch_size * 4,
+        batch_size=settings.batch_size * 4,
         batch_format="pyarrow",
-        concurrency=concurrency,
+        concurrency=settings.concurrency,
         max_restarts=-1,
         max_task_retries=-1,
         **remote,
     )
 
 
-def embed_files(
-    spec: str | Path,
-    out_dir: str | Path,
-    *,
-    model: str | None,
-    config: dict[str, Any],
-    load: dict[str, Any],
-    settings: dict[str, Any],
-    field: str | None = None,
-    id_field: str | None = None,
-    batch_size: int = 32,
-    concurrency: int = 1,
-    num_gpus: float | None = None,
-    address: str | None = None,
-    overwrite: bool = False,
-    part_bytes: int | None = None,
-) -> Path:
-    """``moee embed --engine ray``: embed every file of ``spec`` into the Parquet folder ``out_dir``
-    (see the module doc); joins the cluster at ``address``, else uses the running one or starts a
-    local one. ``settings``: what changes the numbers (recorded in the sidecar)."""
+def embed_files(settings: EmbedSettings, *, part_bytes: int | None = None) -> Path:
+    """``moee embed --engine ray``: embed every file of ``settings.input`` into the Parquet folder
+    ``settings.out`` (see the module doc; ``settings.engine`` is not read); joins the cluster at
+    ``settings.address``, else uses the running one or starts a local one. The sidecar records
+    ``settings.record()`` (what changes the numbers). ``part_bytes``: the bytes of a text input
+    each read task takes (default :data:`PART_BYTES`)."""
     import ray
 
     from moee.io import PARQUET_OUTPUT, StagedFolder, check_output_folder, run_metadata, write_parquet_sidecar
 
-    inputs = _Inputs.of(spec, field, id_field)
+    s, spec = settings, settings.input
+    inputs = _Inputs.of(spec, s.field, s.id_field)
     files = inputs.files
-    named = {"INPUT": [spec, *files] if Path(spec).is_dir() else files, "--model": model}
-    out_dir = check_output_folder(out_dir, overwrite=overwrite, inputs=named, output=PARQUET_OUTPUT)
-    start_ray(address)
+    named = {"INPUT": [spec, *files] if Path(spec).is_dir() else files, "--model": s.model}
+    out_dir = check_output_folder(s.out, overwrite=s.overwrite, inputs=named, output=PARQUET_OUTPUT)
+    start_ray(s.address)
     plan = plan_parts(files, part_bytes or PART_BYTES)
     _check_has_rows(spec, files, plan)
-    remote = _actor_resources(num_gpus)
-    facts = ray.get(ray.remote(**remote)(model_facts).remote(model, load, config))
-    ds = _embed_dataset(
-        _read_dataset(plan, inputs),
-        model=model,
-        load=load,
-        config=config,
-        id_field=id_field,
-        batch_size=batch_size,
-        concurrency=concurrency,
-        remote=remote,
-    )
+    remote = _actor_resources(s.num_gpus)
+    facts = ray.get(ray.remote(**remote)(model_facts).remote(s.model, s.load.to_dict(), asdict(s.config)))
+    ds = _embed_dataset(_read_dataset(plan, inputs), s, remote)
     meta = {
-        **settings,
+        **s.record(),
         **{k: v for k, v in facts.items() if k != "dim"},
         "input": [str(f.resolve()) for f in files],
         "field": inputs.field,
-        "id_field": id_field,
+        "id_field": s.id_field,
         "columns": [*inputs.schema.names, EMBEDDING_COLUMN],
         "engine": "ray",
         **run_metadata(),
