@@ -166,16 +166,15 @@ def measure(args: argparse.Namespace, n_tokens: int, plain: bool = True) -> dict
     plain forward's."""
     import torch
 
-    from moee.analysis.specialization import build_report
+    from moee.analysis.specialization import BaselineDraws, ReportOptions, build_report
     from moee.embed.embedder import MoEEmbedder
 
     embedder = MoEEmbedder.from_pretrained(args.model)
     texts, n = corpus_texts(args.corpus, n_tokens, embedder.tokenizer, embedder.max_length)
 
     def report(ts):
-        return build_report(
-            embedder, ts, batch_size=args.batch_size, permutations=args.permutations, progress=True
-        )
+        options = ReportOptions(draws=BaselineDraws(permutations=args.permutations))
+        return build_report(embedder, ts, options=options, batch_size=args.batch_size, progress=True)
 
     plain_forward(embedder, texts[:32], args.batch_size)  # warm-up
     report(texts[:32])

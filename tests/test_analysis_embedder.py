@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 torch = pytest.importorskip("torch")
 
 from moee.analysis.overlap import clustering_overlap  # noqa: E402
-from moee.analysis.specialization import REPORT_SECTIONS, build_report, write_report  # noqa: E402
+from moee.analysis.specialization import REPORT_SECTIONS, ReportOptions, build_report, write_report  # noqa: E402
 from moee.analysis.stability import plot_stability_heatmap, prompt_stability  # noqa: E402
 from moee.cli import main  # noqa: E402
 
@@ -71,7 +71,9 @@ class _Collect(HTMLParser):
 def test_report_on_a_tiny_olmoe_and_a_20_line_corpus(tiny, tmp_path):
     embedder, _ = tiny
     corpus = [(t, f"topic{i % 3}") for i, t in enumerate(CORPUS)]
-    report = build_report(embedder, corpus, batch_size=4, progress=False, min_token_count=2)
+    report = build_report(
+        embedder, corpus, batch_size=4, progress=False, options=ReportOptions(min_token_count=2)
+    )
     report["meta"] = {"command": "test"}
     paths = write_report(report, tmp_path)
     saved = json.loads(paths["json"].read_text())

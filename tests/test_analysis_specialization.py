@@ -11,6 +11,7 @@ from moee.analysis.specialization import (
     REPORT_SECTIONS,
     SELECTION_RETURNED,
     BaselineDraws,
+    ReportOptions,
     SpecializationAccumulator,
     build_report,
     model_top_k,
@@ -181,14 +182,18 @@ CORPUS = [(" ".join(f"t{(i * j + j) % 23}" for j in range(3 + i % 7)), "ab"[i % 
 
 
 def test_report_does_not_depend_on_chunking():
-    a = build_report(FakeEmbedder(), CORPUS, chunk_size=7, progress=False, min_token_count=1)
-    b = build_report(FakeEmbedder(), CORPUS, chunk_size=1000, progress=False, min_token_count=1)
+    a = build_report(
+        FakeEmbedder(), CORPUS, chunk_size=7, progress=False, options=ReportOptions(min_token_count=1)
+    )
+    b = build_report(
+        FakeEmbedder(), CORPUS, chunk_size=1000, progress=False, options=ReportOptions(min_token_count=1)
+    )
     assert_same_report(a, b)
     assert a["summary"]["top_k"] == 2 and a["summary"]["top_k_source"] == "config.num_experts_per_tok"
     ctx_texts = {c["text_index"] for row in a["experts"] for e in row for c in e["top_contexts"]}
     assert max(ctx_texts) >= 7  # global text indices survive chunking
     # a route sample smaller than the corpus is the same sample in any chunking
-    kw = dict(progress=False, min_token_count=1, baseline_sample=30, permutations=3)
+    kw = dict(progress=False, options=ReportOptions(min_token_count=1, draws=BaselineDraws(3, sample=30)))
     assert_same_report(
         build_report(FakeEmbedder(), CORPUS, chunk_size=7, **kw),
         build_report(FakeEmbedder(), CORPUS, chunk_size=1000, **kw),
@@ -196,11 +201,13 @@ def test_report_does_not_depend_on_chunking():
 
 
 def test_report_options_and_errors():
-    rep = build_report(FakeEmbedder(), [t for t, _ in CORPUS], top_k=1, max_texts=5, progress=False)
+    rep = build_report(
+        FakeEmbedder(), [t for t, _ in CORPUS], options=ReportOptions(top_k=1), max_texts=5, progress=False
+    )
     assert rep["summary"]["n_texts"] == 5 and rep["summary"]["top_k_source"] == "argument"
     assert rep["domains"]["available"] is False
     with pytest.raises(ValueError, match="top_k"):
-        build_report(FakeEmbedder(), CORPUS, top_k=7, progress=False)
+        build_report(FakeEmbedder(), CORPUS, options=ReportOptions(top_k=7), progress=False)
     with pytest.raises(ValueError, match="no texts"):
         build_report(FakeEmbedder(), [], progress=False)
     with pytest.raises(TypeError, match="corpus item 0"):
@@ -469,7 +476,8 @@ def test_report_counts_the_routers_own_selection(model_type, monkeypatch):
         counted[kwargs["text_index"]] = (np.asarray(ids).tolist(), np.sort(self.last_selection, axis=2))
 
     monkeypatch.setattr(SpecializationAccumulator, "update", spy)
-    rep = build_report(embedder, texts, batch_size=2, progress=False, min_token_count=1, permutations=1)
+    options = ReportOptions(min_token_count=1, draws=BaselineDraws(permutations=1))
+    rep = build_report(embedder, texts, batch_size=2, progress=False, options=options)
     assert sorted(counted) == list(range(len(texts)))
     for ids, selection in counted.values():
         truth = _dispatched(embedder.model, embedder.routers, ids)

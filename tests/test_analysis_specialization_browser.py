@@ -160,11 +160,12 @@ def test_report_page_renders_and_the_token_view_shows_routing(browser, tmp_path)
 def test_the_page_written_for_a_real_model_works(browser, tmp_path, tiny_embedder):
     """The page ``write_report`` writes for the tiny OLMoE: no script error, every figure drawn,
     and hovering a token shows the selected experts report.json holds for it."""
-    from moee.analysis.specialization import build_report, write_report
+    from moee.analysis.specialization import BaselineDraws, ReportOptions, build_report, write_report
     from moee.capture.tiny import TINY_WORDS
 
     texts = [" ".join(TINY_WORDS[(5 * i + 3 * j) % len(TINY_WORDS)] for j in range(4 + i)) for i in range(6)]
-    report = build_report(tiny_embedder, texts, progress=False, min_token_count=1, permutations=2)
+    options = ReportOptions(min_token_count=1, draws=BaselineDraws(permutations=2))
+    report = build_report(tiny_embedder, texts, progress=False, options=options)
     report["meta"] = {"command": "moee report <tiny>"}  # what the command adds
     paths = write_report(report, tmp_path / "out")
     page, problems = _open(browser, tmp_path, paths["html"].read_text(encoding="utf-8"))

@@ -200,13 +200,12 @@ TEXTS = ["the cat sat on the mat", "a dog ran up the hill and the cat", "old riv
 def test_predicted_tokens_are_the_lm_argmax_of_the_same_forward(tiny):
     import torch
 
-    from moee.analysis.specialization import build_report, lm_head
+    from moee.analysis.specialization import ReportOptions, build_report, lm_head
 
     assert lm_head(tiny.model, tiny._backbone) is tiny.model.lm_head
     assert lm_head(tiny._backbone, tiny._backbone.layers[0]) is None  # no output embedding
-    rep = build_report(
-        tiny, TEXTS, progress=False, min_token_count=1, token_view_texts=2, token_view_tokens=9
-    )
+    options = ReportOptions(min_token_count=1, token_view_texts=2, token_view_tokens=9)
+    rep = build_report(tiny, TEXTS, progress=False, options=options)
     view = rep["token_view"]
     assert view["n_texts"] == 2 and view["n_tokens"] == 9
     first = view["texts"][0]
@@ -230,13 +229,17 @@ def test_predictions_are_the_same_when_the_head_runs_in_slices(tiny, monkeypatch
     """The LM head runs over slices of positions (bounded logits): one position per slice gives
     the predictions of the whole batch at once."""
     import moee.analysis.specialization.report as report
-    from moee.analysis.specialization import build_report
+    from moee.analysis.specialization import ReportOptions, build_report
 
-    whole = build_report(tiny, TEXTS, progress=False, min_token_count=1)["token_view"]["texts"]
+    whole = build_report(tiny, TEXTS, progress=False, options=ReportOptions(min_token_count=1))["token_view"][
+        "texts"
+    ]
     monkeypatch.setattr(report, "PREDICTION_LOGITS", 1)
     sliced = report._Predictions(tiny)
     assert sliced.rows == 1
-    one = build_report(tiny, TEXTS, progress=False, min_token_count=1)["token_view"]["texts"]
+    one = build_report(tiny, TEXTS, progress=False, options=ReportOptions(min_token_count=1))["token_view"][
+        "texts"
+    ]
     assert [t["predicted"] for t in one] == [t["predicted"] for t in whole]
     monkeypatch.setattr(report, "PREDICTION_LOGITS", 10**9)
     assert report._Predictions(tiny).rows == 10**9 // tiny.model.get_output_embeddings().weight.shape[0]
@@ -352,18 +355,20 @@ def test_streaming_state_does_not_grow_with_the_corpus():
 def test_report_sizes_its_tables_by_the_vocabulary_and_shows_a_cap(tiny):
     """build_report sizes the token tables to the model's vocabulary (whole, exact); with a cap the
     page says how many tokens went uncounted."""
-    from moee.analysis.specialization import build_report, render_html
+    from moee.analysis.specialization import ReportOptions, build_report, render_html
     from moee.analysis.specialization.report import vocab_size
 
     V = vocab_size(tiny)
     assert V == max(tiny.model.config.vocab_size, len(tiny.tokenizer))
-    whole = build_report(tiny, TEXTS, progress=False, min_token_count=1)
+    whole = build_report(tiny, TEXTS, progress=False, options=ReportOptions(min_token_count=1))
     ts = whole["token_specialization"]
     assert ts["max_token_types"] == V and all(v["untracked_tokens"] == 0 for v in ts["by_key"].values())
     L, E = whole["summary"]["n_layers"], whole["summary"]["n_experts"]
     assert whole["summary"]["state_bytes"] > 3 * V * L * E * 4  # the three tables and the rest
     assert "not counted here" not in render_html(whole)
-    capped = build_report(tiny, TEXTS, progress=False, min_token_count=1, max_token_types=2)
+    capped = build_report(
+        tiny, TEXTS, progress=False, options=ReportOptions(min_token_count=1, max_token_types=2)
+    )
     untracked = capped["token_specialization"]["by_key"]["input"]["untracked_tokens"]
     assert capped["token_specialization"]["n_token_types"] == 2 and untracked > 0
     assert f"input {untracked:,} of" in render_html(capped)
@@ -373,13 +378,15 @@ def test_free_heap_is_released_after_every_chunk(tiny, monkeypatch):
     """The report hands freed heap pages back once per batch (flat memory over a long corpus),
     the last batch of a chunk included; the release itself is safe to call anywhere."""
     import moee.analysis.specialization.report as report
-    from moee.analysis.specialization import build_report
+    from moee.analysis.specialization import ReportOptions, build_report
 
     report.release_free_heap()
     calls = []
     monkeypatch.setattr(report, "release_free_heap", lambda: calls.append(1))
-    build_report(tiny, TEXTS, progress=False, min_token_count=1, chunk_size=1)
+    build_report(tiny, TEXTS, progress=False, options=ReportOptions(min_token_count=1), chunk_size=1)
     assert len(calls) == len(TEXTS)
     calls.clear()
-    build_report(tiny, TEXTS * 3, progress=False, min_token_count=1, batch_size=4, chunk_size=5)
+    build_report(
+        tiny, TEXTS * 3, progress=False, options=ReportOptions(min_token_count=1), batch_size=4, chunk_size=5
+    )
     assert len(calls) == 2 + 1  # chunks of 5 and 4 texts: batches 4 + 1, then 4

@@ -43,6 +43,7 @@ __all__ = [
     "read_corpus",
     "selection_scorers",
     "build_report",
+    "ReportOptions",
     "write_report",
     "lm_head",
     "routing_overlap",
@@ -435,47 +436,60 @@ def _selection_summary(layer_sources: list[set[str]]) -> dict[str, object]:
     }
 
 
+@dataclass(frozen=True)
+class ReportOptions:
+    """What the report counts and keeps, whatever the corpus: ``top_k`` experts counted per token
+    (``None``: the model's), ``n_contexts`` top contexts of ``context_window`` tokens per expert,
+    tokens seen at least ``min_token_count`` times in the per-token tables (at most
+    ``max_token_types`` rows; ``None``: as many as fit in ``TOKEN_TABLE_BYTES``), the permutation
+    baselines' ``draws`` (:class:`BaselineDraws`) and the token view's first ``token_view_texts``
+    texts (at most ``token_view_tokens`` tokens in all). Checked where they are used."""
+
+    top_k: int | None = None
+    n_contexts: int = 5
+    context_window: int = 6
+    min_token_count: int = 5
+    draws: BaselineDraws = BaselineDraws()
+    max_token_types: int | None = None
+    token_view_texts: int = 8
+    token_view_tokens: int = 256
+
+
 def build_report(
     embedder,
     corpus: Iterable[tuple[str, str | None]] | Iterable[str],
     *,
-    top_k: int | None = None,
+    options: ReportOptions | None = None,
     batch_size: int = 16,
     chunk_size: int = 512,
     max_texts: int | None = None,
-    n_contexts: int = 5,
-    context_window: int = 6,
-    min_token_count: int = 5,
-    permutations: int = 10,
-    seed: int = 0,
-    baseline_sample: int | None = None,
-    max_token_types: int | None = None,
     progress: bool = True,
     total: int | None = None,
-    token_view_texts: int = 8,
-    token_view_tokens: int = 256,
 ) -> dict:
-    """Route a corpus through ``embedder`` (a ``MoEEmbedder``) token by token and build the report dict.
+    """Route a corpus through ``embedder`` (a ``MoEEmbedder``) token by token and build the report
+    dict with ``options`` (default: ``ReportOptions()``).
 
-    ``corpus`` yields texts or ``(text, domain)`` pairs; it is consumed in chunks of ``chunk_size``
-    texts, each streamed through ``iter_token_routes`` (raw text, no prompt, dense softmax), so
-    neither the corpus nor its routes are ever held whole in memory. The model's predicted next
-    tokens come from the same forward (a hook applies its LM head). ``saturation`` is left
-    unavailable here (see :func:`saturation_section`).
+    ``corpus`` yields texts or ``(text, domain)`` pairs (the first ``max_texts``; ``total``: how
+    many it holds, for the progress bar); it is consumed in chunks of ``chunk_size`` texts, each
+    streamed through ``iter_token_routes`` (raw text, no prompt, dense softmax, ``batch_size`` texts
+    per forward), so neither the corpus nor its routes are ever held whole in memory. The model's
+    predicted next tokens come from the same forward (a hook applies its LM head). ``saturation`` is
+    left unavailable here (see :func:`saturation_section`).
     """
+    o = options if options is not None else ReportOptions()
     n_layers, n_experts = int(embedder.n_moe_layers), int(embedder.n_experts)
-    top_k, source = _resolve_top_k(embedder, top_k)
+    top_k, source = _resolve_top_k(embedder, o.top_k)
     acc = SpecializationAccumulator(
         n_layers,
         n_experts,
         top_k,
-        draws=BaselineDraws(permutations, seed, baseline_sample),
-        n_contexts=n_contexts,
-        context_window=context_window,
+        draws=o.draws,
+        n_contexts=o.n_contexts,
+        context_window=o.context_window,
         vocab_size=vocab_size(embedder),
-        max_token_types=max_token_types,
+        max_token_types=o.max_token_types,
     )
-    view = TokenView(token_view_texts, token_view_tokens)
+    view = TokenView(o.token_view_texts, o.token_view_tokens)
     layer_sources: list[set[str]] = [set() for _ in range(n_layers)]
     expected = total if max_texts is None else min(total or max_texts, max_texts)
     with _Predictions(embedder) as predictions, _progress(progress, expected, "routing") as bar:
@@ -502,7 +516,7 @@ def build_report(
     if acc.n_texts == 0:
         raise ValueError("the corpus holds no texts")
     decode = _decoder(embedder.tokenizer)
-    report = acc.result(decode, min_token_count=min_token_count, progress=progress)
+    report = acc.result(decode, min_token_count=o.min_token_count, progress=progress)
     if not predictions.available:
         report["token_specialization"]["by_key"]["predicted"]["reason"] = predictions.reason
     report.update(_sections_filled_later())

@@ -166,7 +166,14 @@ def run_report(
     """The report of ``settings`` written to ``settings.out`` (``report.json`` and ``report.html``,
     committed together); ``command`` is recorded in its ``meta`` (default: ``sys.argv``). Returns
     the report and the written paths."""
-    from moee.analysis.specialization import build_report, load_embedder, read_corpus, write_report
+    from moee.analysis.specialization import (
+        BaselineDraws,
+        ReportOptions,
+        build_report,
+        load_embedder,
+        read_corpus,
+        write_report,
+    )
     from moee.embed.embedder import MoEEmbedder
 
     s, options = settings, settings.load
@@ -184,16 +191,14 @@ def run_report(
     def load(spec):
         return load_embedder(spec, options, tokenizer=tokenizer)
 
-    build = dict(
+    counted = ReportOptions(
         top_k=s.top_k,
-        batch_size=s.batch_size,
-        max_texts=s.max_texts,
-        permutations=s.permutations,
-        seed=s.seed,
-        progress=progress,
-        total=total,
+        draws=BaselineDraws(s.permutations, s.seed),
         token_view_texts=s.token_view_texts,
         token_view_tokens=s.token_view_tokens,
+    )
+    build = dict(
+        options=counted, batch_size=s.batch_size, max_texts=s.max_texts, progress=progress, total=total
     )
 
     def limited():
