@@ -133,7 +133,7 @@ def test_the_registry_is_the_one_source_of_widths_alpha_and_labels():
         assert EmbeddingConfig(method=method).width(6, 3, 4) == output_dim(method, 6, 3, 4)
     fake = SimpleNamespace(name_or_path="m", hidden_size=6, n_moe_layers=3, n_experts=4)
     for method in METHODS:
-        assert MoEEMTEBEncoder(fake, "r", method=method).mteb_model_meta.embed_dim == output_dim(
+        assert MoEEMTEBEncoder(fake, "r", config={"method": method}).mteb_model_meta.embed_dim == output_dim(
             method, 6, 3, 4
         )
     assert RECORDER_POOLINGS == (*POOLINGS, "tokens")

@@ -20,7 +20,7 @@ from moee.embed.config import (
     save_model_config,
 )
 from moee.embed.embedder import DEFAULT_MODEL_DIR, MoEEmbedder
-from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache
+from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache, get_model
 
 TEXTS = ["the cat sat on the mat", "a dog ran under the big green tree", "music", "", "rain at night"]
 OWN = EmbeddingConfig(method="hs", pooling="mean", score="softmax", prompt="prompteol")
@@ -64,9 +64,9 @@ def test_every_python_entry_point_resolves_against_the_model(own_embedder):
     assert encoder.config == OWN
     np.testing.assert_allclose(encoder.embed_texts(TEXTS), emb.encode(TEXTS), atol=1e-6)
     assert encoder.mteb_model_meta.experiment_kwargs == OWN.experiment_kwargs()
-    assert MoEEMTEBEncoder(emb, "r", method="rw").config == OWN.replace(method="rw")
+    assert MoEEMTEBEncoder(emb, "r", config={"method": "rw"}).config == OWN.replace(method="rw")
     with pytest.raises(TypeError, match="pass method inside config"):
-        MoEEMTEBEncoder(emb, "r", method="rw", config=OWN)
+        get_model(emb, method="rw", config=OWN)
     with pytest.raises(ValueError, match="trace runs one prompt"):
         MoEEmbedder(
             emb.model, emb.tokenizer, model_config=OWN.replace(prompt=["prompteol", "meaning"])

@@ -79,7 +79,7 @@ def test_mteb_queries_and_documents_use_the_models_named_prompts(tiny_embedder):
 def test_a_prompt_the_caller_chooses_embeds_both_sides(tiny_embedder):
     emb = MoEEmbedder(tiny_embedder.model, tiny_embedder.tokenizer, prompts=PROMPTS)
     for encoder in (
-        MoEEMTEBEncoder(emb, "r", prompt="prompteol"),
+        MoEEMTEBEncoder(emb, "r", config={"prompt": "prompteol"}),
         MoEEMTEBEncoder(emb, "r", config=EmbeddingConfig(prompt="prompteol")),
     ):
         expected = emb.encode(TEXTS, prompt="prompteol")

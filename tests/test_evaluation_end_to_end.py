@@ -74,7 +74,7 @@ def test_mteb_meta_is_zero_shot_and_counts_the_active_parameters(arch):
     from moee.capture import find_routers
 
     model = tiny_model(arch, n_layers=2)
-    meta = MoEEMTEBEncoder(MoEEmbedder(model, tiny_tokenizer()), method="hs").mteb_model_meta
+    meta = MoEEMTEBEncoder(MoEEmbedder(model, tiny_tokenizer()), config={"method": "hs"}).mteb_model_meta
     assert meta.training_datasets == set() and meta.is_zero_shot_on(["STS12", "Banking77Classification"])
     c = model.config
     width = c.moe_intermediate_size if arch == "qwen2_moe" else c.intermediate_size
@@ -85,7 +85,7 @@ def test_mteb_meta_is_zero_shot_and_counts_the_active_parameters(arch):
 
 
 def test_adapter_satisfies_the_encoder_protocol(embedder):
-    enc = MoEEMTEBEncoder(embedder, method="moee_sum", prompt="prompteol", alpha=0.5)
+    enc = MoEEMTEBEncoder(embedder, config={"method": "moee_sum", "prompt": "prompteol", "alpha": 0.5})
     assert isinstance(enc, EncoderProtocol)
     meta = enc.mteb_model_meta
     assert meta.name == "moee/tiny-olmoe" and meta.similarity_fn_name.value == "cosine"
@@ -107,9 +107,8 @@ def test_cache_paths_never_collide(embedder, tokenizer, tmp_path):
             for pooling in ("last", "mean"):
                 for score in ("softmax", "logits"):
                     for alpha in (0.5, 1.0, "auto"):
-                        enc = MoEEMTEBEncoder(
-                            embedder, method=method, prompt=prompt, pooling=pooling, score=score, alpha=alpha
-                        )
+                        config = dict(method=method, prompt=prompt, pooling=pooling, score=score, alpha=alpha)
+                        enc = MoEEMTEBEncoder(embedder, config=config)
                         path = cache.get_task_result_path("lee_sts", enc.mteb_model_meta)
                         paths.setdefault(path, set()).add((method, prompt, pooling, score, alpha))
     # one folder per configuration; alpha only separates MoEE(sum) configurations
@@ -123,7 +122,7 @@ def test_cache_paths_never_collide(embedder, tokenizer, tmp_path):
 @pytest.mark.parametrize("prompt", [None, "prompteol"])
 @pytest.mark.parametrize("method", ["hs", "rw", "moee_concat", "moee_sum"])
 def test_adapter_matches_embedder_encode(embedder, method, prompt):
-    enc = MoEEMTEBEncoder(embedder, method=method, prompt=prompt, alpha=0.7)
+    enc = MoEEMTEBEncoder(embedder, config={"method": method, "prompt": prompt, "alpha": 0.7})
     got = enc.embed_texts(TEXTS, task_name="any")
     want = embedder.encode(TEXTS, method=method, prompt=prompt, alpha=0.7)
     assert got.dtype == np.float32 and got.shape == want.shape
@@ -133,23 +132,24 @@ def test_adapter_matches_embedder_encode(embedder, method, prompt):
 def test_trace_cache_one_forward_per_distinct_text(embedder):
     cache = TraceCache(embedder, prompt="prompteol")
     encoders = [
-        MoEEMTEBEncoder(embedder, method=m, prompt="prompteol", trace_cache=cache) for m in ("hs", "rw")
+        MoEEMTEBEncoder(embedder, config={"method": m, "prompt": "prompteol"}, trace_cache=cache)
+        for m in ("hs", "rw")
     ]
     encoders[0].embed_texts(TEXTS + TEXTS)
     encoders[1].embed_texts(TEXTS[:2])
     assert cache.forward_texts == len(TEXTS) == len(cache)
     with pytest.raises(ValueError, match="belongs to another"):
-        MoEEMTEBEncoder(embedder, method="hs", prompt=None, trace_cache=cache)
+        MoEEMTEBEncoder(embedder, config={"method": "hs", "prompt": None}, trace_cache=cache)
 
 
 def test_bad_configuration_is_rejected(embedder):
     with pytest.raises(ValueError, match="unknown method"):
-        MoEEMTEBEncoder(embedder, method="cls")
+        MoEEMTEBEncoder(embedder, config={"method": "cls"})
     with pytest.raises(ValueError, match="unknown prompt|template"):
-        MoEEMTEBEncoder(embedder, prompt="promptEOL")
+        MoEEMTEBEncoder(embedder, config={"prompt": "promptEOL"})
     with pytest.raises(ValueError, match="alpha must be"):
-        MoEEMTEBEncoder(embedder, alpha="best")
-    enc = MoEEMTEBEncoder(embedder, alpha="auto")
+        MoEEMTEBEncoder(embedder, config={"alpha": "best"})
+    enc = MoEEMTEBEncoder(embedder, config={"alpha": "auto"})
     with pytest.raises(ValueError, match="no weight was chosen for task 'lee_sts'"):
         enc.embed_texts(["a"], task_name="lee_sts")
 
@@ -159,7 +159,7 @@ def test_offline_sts_task_end_to_end(embedder, tmp_path):
     """lee_sts through mteb.evaluate; the cached score equals the similarity sum's Spearman."""
     (task,) = offline_tasks(["lee_sts"])
     alpha = 0.5
-    enc = MoEEMTEBEncoder(embedder, method="moee_sum", alpha=alpha)
+    enc = MoEEMTEBEncoder(embedder, config={"method": "moee_sum", "alpha": alpha})
     cache = mteb.ResultCache(tmp_path)
     result = mteb.evaluate(enc, [task], cache=cache, show_progress_bar=False, co2_tracker=False)
     score = result.task_results[0].get_score()
@@ -180,7 +180,7 @@ def test_offline_sts_task_end_to_end(embedder, tmp_path):
 @pytest.mark.slow
 def test_offline_classification_task_end_to_end(embedder, tmp_path):
     (task,) = offline_tasks(["fortunes_classification"])
-    enc = MoEEMTEBEncoder(embedder, method="moee_concat", prompt="prompteol")
+    enc = MoEEMTEBEncoder(embedder, config={"method": "moee_concat", "prompt": "prompteol"})
     result = mteb.evaluate(
         enc, [task], cache=mteb.ResultCache(tmp_path), show_progress_bar=False, co2_tracker=False
     )
@@ -197,7 +197,7 @@ def test_offline_pair_task_scores_the_similarity_the_method_defines(embedder, tm
     from sklearn.metrics import average_precision_score
 
     (task,) = offline_tasks(["bible_pair_classification_quick"])
-    enc = MoEEMTEBEncoder(embedder, method=method, alpha=0.5)
+    enc = MoEEMTEBEncoder(embedder, config={"method": method, "alpha": 0.5})
     assert enc.mteb_model_meta.similarity_fn_name == "cosine"
     result = mteb.evaluate(
         enc, [task], cache=mteb.ResultCache(tmp_path), show_progress_bar=False, co2_tracker=False

@@ -185,21 +185,26 @@ class TraceCache:
 class MoEEMTEBEncoder(AbsEncoder):
     """A ``MoEEmbedder`` under one embedding configuration, as an mteb encoder.
 
-    ``alpha`` is a number, or ``"auto"`` together with ``alpha_by_task`` (task name -> weight,
-    from ``moee.evaluation.alpha.choose_alpha``): the label-free weight is chosen per task from
-    the task's own texts before evaluation, and ``"auto"`` (not the numbers) names the results.
-    The configuration keywords (``method``, ``pooling``, ``prompt``, ``score``, ``alpha`` and the
-    recipe options ``recipe``, ``hs_layer``, ``rw_layers``, ``reference``) left out come from the
-    model's saved configuration, else the library default (:func:`moee.embed.config.resolve_config`,
-    the rule of ``encode``); ``config`` (an :class:`moee.embed.config.EmbeddingConfig`) may replace
-    them. Vectors are always normalised (``normalize=False`` is refused). ``trace_cache`` (optional) shares forward passes
-    between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when the caller already has it.
+    ``config`` is an :class:`moee.embed.config.EmbeddingConfig` (the whole configuration), or a dict
+    of the fields given explicitly (``{"method": "hs", "prompt": "prompteol"}``; any of ``method``,
+    ``pooling``, ``prompt``, ``score``, ``alpha``, ``normalize`` and the recipe options ``recipe``,
+    ``hs_layer``, ``rw_layers``, ``reference``): the fields left out come from the model's saved
+    configuration, else the library default (:func:`moee.embed.config.resolve_config`, the rule of
+    ``encode``); :func:`get_model` takes the same fields as keywords. Vectors are always normalised
+    (``normalize=False`` is refused). ``alpha`` is a number, or ``"auto"`` together with
+    ``alpha_by_task`` (task name -> weight, from ``moee.evaluation.alpha.choose_alpha``): the
+    label-free weight is chosen per task from the task's own texts before evaluation, and
+    ``"auto"`` (not the numbers) names the results. ``trace_cache`` (optional) shares forward passes
+    between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when
+    the caller already has it. ``embedder`` may be a name or path (``None``: the bundled model),
+    loaded on ``device`` with the other keywords going to ``MoEEmbedder.from_pretrained``.
 
     mteb says which side of a retrieval task it encodes (``prompt_type``): queries get the model's
     named ``query`` prompt and documents its ``document`` prompt (``MoEEmbedder.prompts``, the
     ``prompts`` of its ``moee_embedding.json``), exactly as ``encode_query`` / ``encode_document``
     embed them; other inputs, and a side the model names no prompt for, get the configuration's.
-    A prompt the caller chooses (``prompt=``, or inside ``config``) is used for both sides.
+    A prompt the caller chooses (``prompt`` in the dict, or a whole ``EmbeddingConfig``) is used for
+    both sides.
     """
 
     def __init__(
@@ -208,26 +213,12 @@ class MoEEMTEBEncoder(AbsEncoder):
         revision: str | None = None,
         *,
         device: str | None = None,
-        method: str = MODEL_DEFAULT,
-        pooling: str = MODEL_DEFAULT,
-        prompt: str | None = MODEL_DEFAULT,
-        score: str = MODEL_DEFAULT,
-        alpha: float | str = MODEL_DEFAULT,
-        normalize: bool = MODEL_DEFAULT,
-        recipe: str | None = MODEL_DEFAULT,
-        hs_layer: Any = MODEL_DEFAULT,
-        rw_layers: Any = MODEL_DEFAULT,
-        reference: str | os.PathLike | None = MODEL_DEFAULT,
+        config: EmbeddingConfig | Mapping[str, Any] | None = None,
         alpha_by_task: Mapping[str, float] | None = None,
         trace_cache: TraceCache | None = None,
-        config: EmbeddingConfig | None = None,
         **kwargs: Any,
     ) -> None:
-        if normalize is not MODEL_DEFAULT and normalize is not True:
-            raise ValueError(
-                f"normalize={normalize!r}: the mteb encoder always L2-normalises (it declares cosine "
-                "similarity); leave normalize out, or use MoEEmbedder.encode(normalize=False) for raw vectors"
-            )
+        keywords = _explicit_fields(config)
         if isinstance(embedder, (str, os.PathLike)) or embedder is None:
             from moee.embed.embedder import MoEEmbedder
 
@@ -235,23 +226,11 @@ class MoEEMTEBEncoder(AbsEncoder):
         elif kwargs:
             raise TypeError(f"unexpected arguments for an already loaded embedder: {sorted(kwargs)}")
         self.model = embedder
-        keywords = {
-            "method": method,
-            "pooling": pooling,
-            "prompt": prompt,
-            "score": score,
-            "alpha": alpha,
-            "recipe": recipe,
-            "hs_layer": hs_layer,
-            "rw_layers": rw_layers,
-            "reference": reference,
-        }
-        prompt_chosen = prompt is not MODEL_DEFAULT or config is not None
-        if config is None:
+        prompt_chosen = (
+            isinstance(config, EmbeddingConfig) or keywords.get("prompt", MODEL_DEFAULT) is not MODEL_DEFAULT
+        )
+        if not isinstance(config, EmbeddingConfig):
             config = resolve_config(model_config_of(embedder), **keywords)
-        elif any(v is not MODEL_DEFAULT for v in keywords.values()):
-            given = sorted(k for k, v in keywords.items() if v is not MODEL_DEFAULT)
-            raise TypeError(f"pass {', '.join(given)} inside config, not beside it")
         self.config = config.replace(normalize=True)
         #: The configuration of each side mteb names whose named prompt changes what is embedded.
         self.role_configs: dict[str, EmbeddingConfig] = {}
@@ -388,6 +367,29 @@ class MoEEMTEBEncoder(AbsEncoder):
         )
 
 
+def _check_normalize(normalize: Any) -> None:
+    """The mteb encoder's vectors are always L2-normalised: ``normalize`` may only be left out or ``True``."""
+    if normalize is not MODEL_DEFAULT and normalize is not True:
+        raise ValueError(
+            f"normalize={normalize!r}: the mteb encoder always L2-normalises (it declares cosine "
+            "similarity); leave normalize out, or use MoEEmbedder.encode(normalize=False) for raw vectors"
+        )
+
+
+def _explicit_fields(config: EmbeddingConfig | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The configuration fields a dict ``config`` gives (``normalize`` checked and left out: the
+    encoder always normalises); none for a whole ``EmbeddingConfig`` or ``None``."""
+    if config is None or isinstance(config, EmbeddingConfig):
+        return {}
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"config must be an EmbeddingConfig or a dict of its fields given explicitly, got {type(config).__name__}"
+        )
+    keywords = dict(config)
+    _check_normalize(keywords.pop("normalize", MODEL_DEFAULT))
+    return keywords
+
+
 def get_model(
     model: Any = None,
     *,
@@ -406,7 +408,12 @@ def get_model(
     chosen = {k: keywords.pop(k) for k in names if k in keywords}
     if keywords and not (model is None or isinstance(model, (str, os.PathLike))):
         raise TypeError(f"{sorted(keywords)} load a model; the embedder given is already loaded")
-    return MoEEMTEBEncoder(model, device=device, config=config, **chosen, **keywords)
+    if config is not None:
+        _check_normalize(chosen.get("normalize", MODEL_DEFAULT))
+        given = sorted(k for k, v in chosen.items() if k != "normalize" and v is not MODEL_DEFAULT)
+        if given:
+            raise TypeError(f"pass {', '.join(given)} inside config, not beside it")
+    return MoEEMTEBEncoder(model, device=device, config=config if config is not None else chosen, **keywords)
 
 
 def baseline_model_dir() -> Path:
