@@ -3,6 +3,7 @@ co-batched, every limit, disconnects, routing, metrics, and the SIGTERM drain of
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.client
 import json
@@ -145,6 +146,76 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(
     got, doc = _post(server + "/v1/embeddings", body, raw=raw)
     assert got == status and message in doc["error"]["message"], doc
     assert _post(server + "/v1/embeddings", {"input": "still up"})[0] == 200
+
+
+def test_a_request_form_is_resolved_and_checked_once(embedder, monkeypatch) -> None:
+    """config_for keeps each request form's checked configuration (the reference check walks every
+    weight): a form seen again costs a look-up; 1 and 1.0 are two forms; a mistake is refused every
+    time and never kept; the forms kept are bounded in number and length."""
+    from moee.serving import app as serving_app
+    from moee.serving.protocol import ApiError
+
+    service = serving_app.EmbeddingService(embedder, ServerSettings())
+    checked = []
+    original = service._checked_config
+    monkeypatch.setattr(
+        service, "_checked_config", lambda given, name: checked.append(given) or original(given, name)
+    )
+    first = service.config_for({}, None)
+    assert service.config_for({}, None) is first and len(checked) == 1
+    assert service.config_for({"method": "rw"}, None) == embedder.resolve_config(method="rw")
+    assert service.config_for({"alpha": 1}, None) == service.config_for({"alpha": 1.0}, None)
+    assert len(checked) == 4
+    for _ in range(2):
+        with pytest.raises(ApiError, match="unknown method 'nope'"):
+            service.config_for({"method": "nope"}, None)
+    assert len(checked) == 6
+    long = "x" * serving_app.CONFIG_CACHE_KEY_CHARS + " {text}"
+    for _ in range(2):
+        assert service.config_for({"prompt": long}, None).prompt == long
+    assert len(checked) == 8  # a long form is checked each time, never kept
+    monkeypatch.setattr(serving_app, "CONFIG_CACHE_SIZE", 2)
+    service.config_for({"method": "hs"}, None)
+    assert list(service._configs) == [repr(([("alpha", 1.0)], None)), repr(([("method", "hs")], None))]
+
+
+def test_short_requests_are_tokenized_on_the_loop_long_or_contended_ones_on_a_thread(
+    embedder, monkeypatch
+) -> None:
+    from moee.serving.app import INLINE_TOKENIZE_CHARS
+
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn, *args, **kwargs):
+        hops.append(fn.__name__)
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    app = create_app(embedder, ServerSettings())
+    with serve_in_thread(app) as url:
+        assert _post(url + "/v1/embeddings", {"input": ["a short text"]})[0] == 200
+        assert hops == []
+        long = " ".join(WORDS * (INLINE_TOKENIZE_CHARS // len(" ".join(WORDS)) + 1))
+        status, doc = _post(url + "/v1/embeddings", {"input": [long]})
+        assert status == 200 and hops == ["prepare"]
+        np.testing.assert_allclose(_vectors(doc)[0], embedder.encode(long), atol=1e-6)
+        # the counting tokenizer busy (another request being counted): a short request waits for it
+        # on a thread, and the loop goes on serving
+        lock = app.state.service.counter._lock
+        result: dict = {}
+        waiting = threading.Thread(
+            target=lambda: result.update(r=_post(url + "/v1/embeddings", {"input": ["short"]}))
+        )
+        with lock:
+            waiting.start()
+            _wait(lambda: len(hops) == 2)
+            assert json.loads(_get(url + "/health"))["status"] == "ok"
+            assert not result
+        waiting.join(timeout=30)
+        status, doc = result["r"]
+        assert status == 200
+        np.testing.assert_allclose(_vectors(doc)[0], embedder.encode("short"), atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- dynamic batching

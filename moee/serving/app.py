@@ -85,11 +85,16 @@ __all__ = [
 ENDPOINTS = ("/v1/embeddings", "/v1/routing", "/v1/models", "/health", "/metrics")
 #: Endpoints open without the API key (probes): the model id and queue depth, nothing private.
 OPEN_ENDPOINTS = ("/health",)
-#: How often a waiting request checks whether its client is still there.
-DISCONNECT_POLL_S = 0.05
+#: Characters of a request's inputs tokenized on the event loop itself (about a millisecond at
+#: most); a longer request is tokenized on a worker thread.
+INLINE_TOKENIZE_CHARS = 1024
 #: Inputs tokenized at a time while a request is counted against ``max_tokens_per_request``: an
 #: oversized request is refused after at most this many inputs past its budget.
 TOKENIZE_CHUNK = 64
+#: Request forms whose checked configuration :meth:`EmbeddingService.config_for` keeps, and the
+#: longest form (characters of its ``repr``) it keeps: long prompts are resolved each time.
+CONFIG_CACHE_SIZE = 256
+CONFIG_CACHE_KEY_CHARS = 2048
 #: uvicorn's log: the server's one-line notes (dropped clients, timeouts) go where uvicorn's go.
 log = logging.getLogger("uvicorn.error")
 
@@ -194,6 +199,7 @@ class EmbeddingService:
             else:
                 del paths[path]  # a Hub id is a label already
         self._paths = sorted(paths.items(), key=lambda item: -len(item[0]))
+        self._configs: dict[str, EmbeddingConfig] = {}  # config_for's checked configurations
 
     # ------------------------------------------------------------------ what responses show
     def public(self, message: str) -> str:
@@ -230,7 +236,25 @@ class EmbeddingService:
             )
 
     def config_for(self, given: dict[str, Any], prompt_name: str | None) -> EmbeddingConfig:
-        """The configuration of a request: its fields, else the model's (``resolve_config``)."""
+        """The configuration of a request: its fields, else the model's (``resolve_config``),
+        checked against the model and its reference once per request form (the fields given, by
+        type and value) and kept (:data:`CONFIG_CACHE_SIZE` forms of at most
+        :data:`CONFIG_CACHE_KEY_CHARS` characters): the served model, its configuration and its
+        reference are those of the start, as ``GET /v1/models`` reports them (the reference check
+        alone fingerprints every weight: it was the largest cost of a request)."""
+        key = repr((sorted(given.items()), prompt_name))  # repr tells 1, 1.0 and true apart
+        config = self._configs.get(key)
+        if config is None:
+            config = self._checked_config(given, prompt_name)  # a mistake raises: never kept
+            if len(key) <= CONFIG_CACHE_KEY_CHARS:
+                while len(self._configs) >= CONFIG_CACHE_SIZE:
+                    del self._configs[next(iter(self._configs))]  # the oldest forms go
+                self._configs[key] = config
+        return config
+
+    def _checked_config(self, given: dict[str, Any], prompt_name: str | None) -> EmbeddingConfig:
+        """:meth:`config_for` of a form not seen before: resolved and checked (a 400 naming the
+        field)."""
         given = dict(given)
         if prompt_name is not None:
             if "prompt" in given:
@@ -581,16 +605,41 @@ def _dropped(served: _Served, request: Request, what: str, texts: int) -> Respon
 
 
 async def _wait_for(served: _Served, request: Request, job) -> np.ndarray:
-    """The job's vectors; its rows are cancelled if the client goes away meanwhile (``_Disconnected``)."""
+    """The job's vectors; its rows are cancelled if the client goes away meanwhile
+    (``_Disconnected``). A watcher awaits the connection's next ASGI message, which for a request
+    read whole comes only when its client goes away: a waiting request costs no polling."""
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({job.future, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if job.future.done():
+        return job.future.result()
+    await gone  # raises the watcher's own error, if that is what ended it
     batcher = served.batcher
-    while True:
-        done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return job.future.result()
-        if await request.is_disconnected():
-            before = batcher.cancelled_rows
-            batcher.cancel(job)
-            raise _Disconnected(batcher.cancelled_rows - before)
+    before = batcher.cancelled_rows
+    batcher.cancel(job)
+    raise _Disconnected(batcher.cancelled_rows - before)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client of ``request`` (its body read whole) has gone away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _prepare(service: EmbeddingService, req: EmbeddingsRequest, config: EmbeddingConfig):
+    """``service.prepare`` of the request's texts: on the event loop itself when they are short
+    (:data:`INLINE_TOKENIZE_CHARS`) and the counting tokenizer is free, else on a worker thread,
+    so a long request never holds the loop up (a hop to a thread and back costs more than
+    tokenizing a sentence)."""
+    lock = service.counter._lock
+    if sum(map(len, req.texts)) <= INLINE_TOKENIZE_CHARS and lock.acquire(blocking=False):
+        try:
+            return service.prepare(req.texts, config, req.truncate)
+        finally:
+            lock.release()
+    return await asyncio.to_thread(service.prepare, req.texts, config, req.truncate)
 
 
 async def _embeddings(served: _Served, request: Request) -> Response:
@@ -604,7 +653,7 @@ async def _embeddings(served: _Served, request: Request) -> Response:
     config = service.config_for(req.config, req.prompt_name)
     service.check_dimensions(req.dimensions, config)
     with served.admission():
-        texts, lengths = await asyncio.to_thread(service.prepare, req.texts, config, req.truncate)
+        texts, lengths = await _prepare(service, req, config)
         job = served.batcher.submit(texts, lengths, config)
         try:
             vectors = await _wait_for(served, request, job)
