@@ -11,6 +11,12 @@ same server with batching off (``max_batch_tokens=1``: one text per forward) at 
 Each variant runs ``--reps`` times in rotating order; figures are medians. Every response is
 checked against ``encode`` of its text (max abs difference reported).
 
+Where the concurrency-32 time goes: the batched server's forwards are timed on its forward thread
+(the rest of the wall time, the forward thread was idle between forwards), and after each
+concurrency-32 repetition the same forwards are replayed with no HTTP load: the difference is what
+sharing the process with the event loop and the client threads (the GIL and the two cores) costs
+the forwards; the replay against offline ``encode`` is what the server's batches cost or save.
+
     nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_serve.py
 """
 
@@ -120,6 +126,31 @@ def run_clients(
     return wall, latencies, np.stack(out)
 
 
+def timed_forwards(app) -> list[tuple[list[str], object, float]]:
+    """The list each forward of ``app``'s batcher appends to: its texts, configuration and seconds
+    on the forward thread (``clear()`` it to start a count)."""
+    batcher = app.state.batcher
+    features = batcher._features
+    forwards: list[tuple[list[str], object, float]] = []
+
+    def timed(texts: list[str], config):
+        start = time.perf_counter()
+        out = features(texts, config)
+        forwards.append((list(texts), config, time.perf_counter() - start))
+        return out
+
+    batcher._features = timed
+    return forwards
+
+
+def replay(emb: MoEEmbedder, forwards: list[tuple[list[str], object, float]]) -> float:
+    """Seconds the recorded forwards take again, one after another, with no HTTP load."""
+    start = time.perf_counter()
+    for texts, config, _ in forwards:
+        emb.features(texts, config, batch_size=len(texts), show_progress_bar=False)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=256)
@@ -137,8 +168,11 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in variants}
     lat: dict[str, list[float]] = {v: [] for v in variants}
     max_diff = 0.0
+    app = create_app(emb, ServerSettings())
+    forwards = timed_forwards(app)
+    parts: dict[str, list[float]] = {k: [] for k in ("forward_s", "idle_s", "replay_s", "forwards", "rows")}
     with (
-        serve_in_thread(create_app(emb, ServerSettings())) as url,
+        serve_in_thread(app) as url,
         serve_in_thread(create_app(emb, ServerSettings(max_batch_tokens=1))) as unbatched,
     ):
         run_clients(url, texts[:16], 4, deadline)  # warm-up
@@ -151,10 +185,18 @@ def main() -> None:
                     continue
                 target = unbatched if v == "c32_unbatched" else url
                 concurrency = int(v[1:].split("_")[0])
+                forwards.clear()
                 wall, latencies, got = run_clients(target, texts, concurrency, deadline)
                 max_diff = max(max_diff, float(np.abs(got - expected).max()))
                 times[v].append(wall)
                 lat[v].extend(latencies)
+                if v == "c32":
+                    served = sum(seconds for _, _, seconds in forwards)
+                    parts["forward_s"].append(served)
+                    parts["idle_s"].append(wall - served)
+                    parts["replay_s"].append(replay(emb, forwards))
+                    parts["forwards"].append(len(forwards))
+                    parts["rows"].append(len(texts) / len(forwards))
     rate = {v: args.texts / statistics.median(times[v]) for v in variants}
     rows = {
         v: {
@@ -181,6 +223,13 @@ def main() -> None:
         "c32_vs_offline": rate["c32"] / rate["offline"],
         "c32_vs_c32_unbatched": rate["c32"] / rate["c32_unbatched"],
         "max_abs_diff_vs_encode": max_diff,
+        "c32_breakdown": {
+            "wall_s": statistics.median(times["c32"]),
+            "offline_s": statistics.median(times["offline"]),
+            "offline_forwards": -(-args.texts // 32),
+            **{k: statistics.median(v) for k, v in parts.items()},
+            "all": parts,
+        },
         "goal": {"c32_vs_c1": 3.0, "c32_vs_offline": 0.85},
     }
     path = write_result("serve", payload, args.out)
@@ -193,6 +242,11 @@ def main() -> None:
     print(
         f"c32/c1 {payload['c32_vs_c1']:.2f}x  c32/offline {payload['c32_vs_offline']:.2f}x  "
         f"c32/unbatched {payload['c32_vs_c32_unbatched']:.2f}x  max|diff| {max_diff:.2e}  -> {path}"
+    )
+    b = payload["c32_breakdown"]
+    print(
+        f"c32 {b['wall_s']:.2f} s = forwards {b['forward_s']:.2f} s ({b['forwards']:.0f} of {b['rows']:.1f} rows; "
+        f"replayed without load {b['replay_s']:.2f} s) + idle {b['idle_s']:.2f} s; offline {b['offline_s']:.2f} s"
     )
 
 
