@@ -167,6 +167,39 @@ def test_benchmarks_md_is_generated_from_result_files(tmp_path):
     assert "Test CPU" in text and "7.25x" in text and "**missed**" in text
 
 
+def test_serve_section_reads_where_the_concurrency_32_time_goes():
+    from write_benchmarks_md import serve_section
+
+    variants = {v: {"texts_per_s": 50.0, "median_s": 5.0, "all_s": [5.0]} for v in ("offline", "c1", "c32")}
+    result = {
+        "command": "python scripts/bench_serve.py",
+        "texts": 256,
+        "reps": 3,
+        "load_avg_1min_at_start": 5.0,
+        "max_abs_diff_vs_encode": 3e-7,
+        "variants": variants,
+        "c32_vs_c1": 3.1,
+        "c32_vs_offline": 0.95,
+        "c32_vs_c32_unbatched": 2.5,
+        "goal": {"c32_vs_c1": 3.0, "c32_vs_offline": 0.85},
+    }
+    lines, rows = serve_section(result)
+    assert rows[0][3:] == ["3.10x / 0.95x", "met"] and "Where the" not in "\n".join(lines)
+    result["c32_breakdown"] = {
+        "wall_s": 4.0,
+        "offline_s": 3.8,
+        "offline_forwards": 8,
+        "forward_s": 3.9,
+        "idle_s": 0.1,
+        "replay_s": 3.5,
+        "forwards": 47,
+        "rows": 5.4,
+    }
+    text = "\n".join(serve_section(result)[0])
+    assert "47 forwards of 5.4 texts each for 3.90 s and was idle 0.10 s (2%)" in text
+    assert "save 0.30 s" in text and "costs the forwards 0.40 s (11%)" in text
+
+
 #: What each gpu_check section records when it ran (the rest of its figures come with these).
 GPU_FIGURES = {
     "encode": ("texts_per_s", "tokens_per_s"),
