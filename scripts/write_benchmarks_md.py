@@ -578,6 +578,12 @@ def _gb(value: float) -> str:
     return f"{value / 1e9:.2f}"
 
 
+def _span(values: list[float], fmt) -> str:
+    """``fmt(low)-fmt(high)``, or one value where they print alike."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
 def _full_parameters(checkpoint: dict) -> float:
     """The full-depth parameter count of a rehearsal checkpoint: its manifest's, else the published one."""
     if checkpoint.get("full_parameters"):
@@ -591,14 +597,20 @@ def _full_parameters(checkpoint: dict) -> float:
 
 def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     """``bench/results/rehearsal/*.json``: moee's commands on real-width checkpoints of random weights."""
-    title = "## 13. Real widths, reduced depth (`scripts/rehearse_real_size.py`)"
+    title = "## 13. Real widths, full and reduced depth (`scripts/rehearse_real_size.py`)"
     name = "real widths: peak resident memory (RssAnon + mapped weights) over the weights' bytes"
     goal = f"<= {REHEARSAL_GOAL}x"
     if not results:
         return [title, "", _not_run("rehearsal")], [["13", name, goal, "not run", "—"]]
     lines, rows = [title, ""], []
-    for r in results:
+    for r in sorted(results, key=lambda r: r["checkpoint"]["layers"] < r["checkpoint"]["full_layers"]):
         ck, steps = r["checkpoint"], r["steps"]
+        full = ck["layers"] == ck["full_layers"]
+        depth = (
+            f"all {ck['layers']} layers"
+            if full
+            else f"the first {ck['layers']} of its {ck['full_layers']} layers"
+        )
         m, v = r["machine"], r["versions"]
         by = {s["step"]: s for s in steps}
         loaded = [s for s in steps if "loads" in s]
@@ -606,8 +618,9 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             f"{k} {v[k]}" for k in ("moee", "torch", "transformers", "accelerate") if v.get(k)
         )
         lines += [
-            f"`{ck['hub_id']}` widths ({ck['model_type']}), the first {ck['layers']} of its {ck['full_layers']} "
-            f"layers: {ck['parameters']:,} parameters, {_gb(ck['weight_bytes'])} GB of bfloat16 weights in "
+            f"### {ck['hub_id']}, {depth}",
+            "",
+            f"`{ck['hub_id']}` widths ({ck['model_type']}), {depth}: {ck['parameters']:,} parameters, {_gb(ck['weight_bytes'])} GB of bfloat16 weights in "
             f"{ck['shards']} safetensors shards in the checkpoint's own tensor names, random (seed {ck['seed']}, "
             f"the model's own init), the bundled tokenizer. Every command in its own process with "
             f"`--dtype bfloat16`, batch {r['batch_size']}; {r['texts']} texts of the length mix (embed, routes, "
@@ -675,9 +688,9 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         reading = [
             "Reading:",
             "",
-            f"- Weights: after the load every process holds {_x(min(held))}-{_x(max(held))} the weights' bytes beyond "
+            f"- Weights: after the load every process holds {_span(held, _x)} the weights' bytes beyond "
             "what it held before: no float32 copy and no second copy of the bfloat16 weights.",
-            f"- Load: the peak is {_x(min(load_peaks))}-{_x(max(load_peaks))}, a transient of up to "
+            f"- Load: the peak is {_span(load_peaks, _x)}, a transient of up to "
             f"{_gb(max(s['load_peak_rss_anon_bytes'] - s['rss_anon_after_load_bytes'] for s in loaded))} GB while "
             "transformers joins the checkpoint's per-expert tensors into the model's 3-D expert tensors.",
             f"- Run: the growth ({_gb(min(growth))}-{_gb(max(growth))} GB) is one batch's activations (transformers' "
@@ -686,17 +699,42 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         if len(reports) >= 2:
             grown = ", ".join(f"{_gb(s['run_growth_bytes'])} GB on {s['corpus_tokens']:,}" for s in reports)
             prev, last = reports[-2], reports[-1]
-            flat = abs(last["run_growth_bytes"] - prev["run_growth_bytes"]) <= 0.05 * ck["weight_bytes"]
+            more = last["run_growth_bytes"] - prev["run_growth_bytes"]
+            flat = abs(more) <= 0.05 * ck["weight_bytes"]
             reading[-1] += (
                 f"`moee report` grew by {grown} tokens (texts of one length band, so every size meets the same "
                 "batch shapes): "
                 + (
-                    f"flat from {prev['corpus_tokens']:,} tokens on; the first batches fill the allocator's and "
+                    f"flat from {prev['corpus_tokens']:,} tokens on ({_gb(more)} GB more for "
+                    f"{last['corpus_tokens'] / prev['corpus_tokens']:.0f}x the tokens, under 5% of the weights); "
+                    "the first batches fill the allocator's and "
                     "the kernels' caches and make the report's fixed-size tables resident."
                     if flat
                     else f"**still growing** from {prev['corpus_tokens']:,} to {last['corpus_tokens']:,} tokens."
                 )
             )
+        loads = [s["load_s"] for s in loaded]
+        reading.append(
+            f"- Load time {min(loads):.0f}-{max(loads):.0f} s: reading {_gb(ck['weight_bytes'])} GB of shards, from "
+            "the page cache when an earlier step left them there, else from disk (and the slowest when other jobs "
+            "compete for the memory that holds that cache)."
+        )
+        met = max(peaks) <= REHEARSAL_GOAL
+        if full:
+            reading.append(
+                f"- Goal (peak held <= {REHEARSAL_GOAL}x the weights): {_x(min(peaks))}-{_x(max(peaks))}, worst "
+                f"{worst_step['step']}, so **{'met' if met else 'missed'}** at the full depth. What exceeds the "
+                f"weights ({_gb(extra)} GB at most) is the interpreter and libraries before the load "
+                f"({_gb(min(before))}-{_gb(max(before))} GB), the load's transient and one batch's activations."
+            )
+            lines += reading + [""]
+            if failed:
+                lines += [f"Failed steps: {', '.join(failed)}.", ""]
+            measured = f"{_x(max(peaks))} ({worst_step['step']}), all {ck['layers']} layers"
+            rows.append(
+                ["13", f"{name}, {ck['configuration']}", goal, measured, "met" if met else "**missed**"]
+            )
+            continue
         reading.append(
             f"- Goal (peak held <= {REHEARSAL_GOAL}x the weights): {_x(min(peaks))}-{_x(max(peaks))}, worst "
             f"{worst_step['step']}, so **missed at this depth**. What exceeds the weights ({_gb(extra)} GB at most) is "
@@ -704,8 +742,8 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             "transient and one batch's activations: none of it grows with the number of layers, so it is "
             f"{extra / ck['weight_bytes']:.0%} of {_gb(ck['weight_bytes'])} GB here"
             + (
-                f" and would be {extra / full_bytes:.0%} of the full model's {_gb(full_bytes)} GB (an estimate: the "
-                "full-depth run measures it)."
+                f" and would be {extra / full_bytes:.0%} of the full model's {_gb(full_bytes)} GB (an estimate; "
+                "the full-depth run above measures it)."
                 if full_bytes
                 else "."
             )

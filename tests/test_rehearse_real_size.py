@@ -126,7 +126,7 @@ def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
     (tmp_path / "rehearsal").mkdir()
     (tmp_path / "rehearsal" / committed.name).write_text(json.dumps(result))
     text = render(tmp_path, tmp_path / "missing.json")
-    section = text.split("## 13. Real widths, reduced depth")[1].split("\n## ")[0]
+    section = text.split("## 13. Real widths, full and reduced depth")[1].split("\n## ")[0]
     embed = next(s for s in result["steps"] if s["step"] == "embed")
     assert f"**{embed['peak_held_over_weights']:.2f}x**" in section
     assert result["command"] in section and result["checkpoint"]["command"] in section
