@@ -54,7 +54,7 @@ def probe_accuracy(train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the bundled model)")
+    ap.add_argument("--model", default=None, help="model name or folder (default: the bundled default model)")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "eval/results/isotropy")
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = sample(test_t, args.n, args.seed)
     majority = max(test_y.count(y) for y in set(test_y)) / len(test_y)
     emb = MoEEmbedder.from_pretrained(args.model, device="cpu")
+    name = "default model" if args.model is None else model_label(args.model)
     variants = [("model configuration", {})]
     if emb.default_config.reference is not None:
         variants.append(("without the reference", {"reference": None}))
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             resolved = emb.resolve_config(method=method, **change)
             rows.append(
                 row(
-                    "default model",
+                    name,
                     label,
                     method,
                     lambda t, c=resolved: emb.encode(t, config=c),
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = ["| model | variant | " + " | ".join(METHODS) + " |", "|---|---|" + "---|" * len(METHODS)]
         for label, _ in variants:
             cells = {r["method"]: r for r in rows if r["variant"] == label}
-            lines.append(f"| default model | {label} | " + " | ".join(fmt(cells[m]) for m in METHODS) + " |")
+            lines.append(f"| {name} | {label} | " + " | ".join(fmt(cells[m]) for m in METHODS) + " |")
         lines.append(f"| all-MiniLM-L6-v2 | dense baseline | {fmt(dense)} (one vector) | | | |")
         return lines
 

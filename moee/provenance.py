@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -80,16 +81,36 @@ def command_string(command: str | Sequence[str] | None = None) -> str:
     return shlex.join(list(sys.argv if command is None else command))
 
 
+ASSEMBLED_STAMP = "moee_assembled.json"
+"""The file `moee.moe.delta.assemble` writes last into a folder it built from a base and a delta."""
+
+
+def assembled_name(folder: str | os.PathLike) -> str | None:
+    """The model name of a folder moee assembled into its cache (``<name>-<12 hex digits of the
+    delta>`` holding `ASSEMBLED_STAMP`), else ``None``: the folder's suffix changes with every new
+    delta, while the name, with the weights' digest beside it, is what a result should carry."""
+    path = Path(folder)
+    match = re.fullmatch(r"(.+)-[0-9a-f]{12}", path.name)
+    if match is None or not (path / ASSEMBLED_STAMP).is_file():
+        return None
+    return match.group(1)
+
+
 def model_label(name_or_path: str | os.PathLike) -> str:
     """How a result file names its model: a Hub id or relative path as given, a local folder under
     the working directory (or the bundled model, under the moee package's parent) relative to it,
-    so a result committed with the project does not carry the folder of the machine that made it;
-    any other path as given (it names the user's own folder)."""
+    a model assembled into moee's cache (or a file in it) by its name (`assembled_name`), so a result committed with
+    the project does not carry the folder of the machine that made it; any other path as given (it
+    names the user's own folder)."""
     text = str(name_or_path)
     path = Path(text).expanduser()
     if not path.is_absolute():
         return text
     path = path.resolve()
+    for folder in (path, *path.parents):
+        name = assembled_name(folder)
+        if name is not None:
+            return Path(name, path.relative_to(folder)).as_posix()
     for root in (Path.cwd().resolve(), Path(__file__).resolve().parent.parent):
         if path.is_relative_to(root):
             return path.relative_to(root).as_posix()

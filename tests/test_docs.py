@@ -190,14 +190,25 @@ def _numbers(cells: list[str]) -> list[str]:
     return [c for c in cells if re.fullmatch(r"-?\d+\.\d+", c)]
 
 
+#: The result folders the README's results table quotes (`bash eval/run_offline.sh`,
+#: `bash eval/run_smollm2_moe.sh`).
+README_RESULTS = ("offline", "offline_mean", "smollm2_moe/mean", "smollm2_moe/paper", "smollm2_moe/dense")
+
+
 def test_the_readme_figures_are_the_committed_results() -> None:
-    """Each row of the README's results table is a row of the tables `bash eval/run_offline.sh` wrote."""
-    models = ("moee/default-model", "sentence-transformers/all-MiniLM-L6-v2")
+    """Each row of the README's results table is a row of the tables the evaluation scripts wrote."""
+    models = (
+        "moee/smollm2-moe",
+        "moee/smollm2-dense-upcycle",
+        "moee/default-model",
+        "sentence-transformers/all-MiniLM-L6-v2",
+    )
     rows = _table_rows(README.read_text(encoding="utf-8"), models)
-    assert len(rows) == 7, "README.md's results table is missing rows"
+    assert len(rows) == 9, "README.md's results table is missing rows"
+    assert {cells[0] for cells in rows} == set(models), "README.md's results table lacks a model"
     committed = [
         (cells[0], _numbers(cells))
-        for name in ("offline", "offline_mean")
+        for name in README_RESULTS
         for cells in _table_rows(
             (ROOT / "eval" / "results" / name / "tables.md").read_text(encoding="utf-8"), models
         )

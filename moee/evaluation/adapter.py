@@ -40,6 +40,7 @@ from moee.embed.config import AUTO_ALPHA, MODEL_DEFAULT, EmbeddingConfig, resolv
 from moee.embed.recipes import combine_features
 from moee.embed.reference import weights_digest as _weights_digest
 from moee.embed.validation import check_alpha, check_texts
+from moee.provenance import assembled_name
 
 if TYPE_CHECKING:
     from mteb.abstasks.task_metadata import TaskMetadata
@@ -66,11 +67,14 @@ def model_name(embedder: Any) -> str:
     """The mteb model name of an embedder.
 
     A hub id such as ``allenai/OLMoE-1B-7B-0924`` is kept as is (so the paper's numbers can be
-    matched); a local directory becomes ``moee/<directory name>``.
+    matched); a local directory becomes ``moee/<directory name>``, except a shipped model assembled
+    into moee's cache, which is ``moee/<its name>``: its folder's digest suffix changes with every
+    new delta, and the revision (the weights' digest) already tells versions apart.
     """
     raw = str(getattr(embedder, "name_or_path", None) or "unnamed")
     if os.path.isdir(raw) or raw.startswith((".", "/", "~")):
-        return f"moee/{Path(raw).expanduser().resolve().name}"
+        folder = Path(raw).expanduser().resolve()
+        return f"moee/{assembled_name(folder) or folder.name}"
     return raw if "/" in raw else f"moee/{raw}"
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moee.provenance import assembled_name
+
 __all__ = [
     "BUNDLED",
     "DEFAULT_MODEL",
@@ -122,10 +124,8 @@ def shipped_name(folder: str | Path) -> str | None:
     for entry in BUNDLED.values():
         if folder == entry.config_dir.resolve():
             return entry.name
-        if entry.build is not None and folder.name.startswith(f"{entry.name}-"):
-            stamp = folder / "moee_assembled.json"
-            if stamp.is_file():
-                return entry.name
+        if entry.build is not None and assembled_name(folder) == entry.name:
+            return entry.name
     return None
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moee.provenance import file_sha256
+from moee.provenance import ASSEMBLED_STAMP, file_sha256
 
 __all__ = [
     "DELTA_FILE",
@@ -38,7 +38,7 @@ __all__ = [
 DELTA_FILE = "delta.safetensors"
 MANIFEST_FILE = "delta.json"
 FORMAT = "moee-delta/1"
-_STAMP = "moee_assembled.json"
+_STAMP = ASSEMBLED_STAMP
 
 
 def routed_parameter_ids(model: nn.Module) -> set[int]:
