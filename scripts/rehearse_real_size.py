@@ -60,6 +60,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -797,14 +798,21 @@ def serve_step(
     return result
 
 
-def oracle_main(folder: str, out: str) -> int:
-    """The oracle check on the checkpoint in bfloat16 (run in a measured process by ``run``)."""
+def oracle_main(folder: str, out: str, load_flags: Sequence[str] = ()) -> int:
+    """The oracle check on the checkpoint in bfloat16 (run in a measured process by ``run``), loaded
+    with the other steps' loading flags (``load_flags``: a model larger than memory is checked
+    under the same memory cap and disk offload)."""
     from dataclasses import asdict
 
     from moee.capture.oracle import check_model
-    from moee.loading import LoadOptions, load_model
+    from moee.cli_options import add_loading_arguments, load_options
+    from moee.loading import load_model
 
-    model = load_model(folder, LoadOptions(dtype="bfloat16", device="cpu"), tokenizer=False).model.eval()
+    parser = argparse.ArgumentParser(prog="_oracle")
+    add_loading_arguments(parser, model=False)
+    placed = [] if "--device-map" in load_flags else ["--device", "cpu"]
+    options = load_options(parser.parse_args(["--dtype", "bfloat16", *placed, *load_flags]))
+    model = load_model(folder, options, tokenizer=False).model.eval()
     try:
         result: dict[str, Any] = {
             "passed": True,
@@ -812,7 +820,13 @@ def oracle_main(folder: str, out: str) -> int:
         }
     except AssertionError as exc:
         result = {"passed": False, "error": str(exc)}
-    result.update(atol=ORACLE_ATOL, spread_tol=ORACLE_SPREAD, dtype=str(next(model.parameters()).dtype))
+    offloaded = sum(p.numel() for p in model.parameters() if p.device.type == "meta")
+    result.update(
+        atol=ORACLE_ATOL,
+        spread_tol=ORACLE_SPREAD,
+        dtype=str(next(model.parameters()).dtype),
+        offloaded_parameters=offloaded,  # held on disk between uses (accelerate's offload)
+    )
     Path(out).write_text(json.dumps(result, indent=2))
     return 0 if result["passed"] else 1
 
@@ -864,9 +878,14 @@ def run_rehearsal(args: argparse.Namespace) -> dict[str, Any]:
     if "oracle" in steps:
         out = work / "oracle.json"
         step = run_measured(
-            "oracle", ["_oracle", str(folder), str(out)], work, weight_bytes, timeout=args.timeout
+            "oracle",
+            ["_oracle", str(folder), str(out), *shlex.split(args.load_flags or "")],
+            work,
+            weight_bytes,
+            timeout=args.timeout,
         )
-        step["command"] = f"moee.capture.oracle.check_model(load_model({folder.name}, dtype=bfloat16))"
+        flags = f", {args.load_flags}" if args.load_flags else ""
+        step["command"] = f"moee.capture.oracle.check_model(load_model({folder.name}, dtype=bfloat16{flags}))"
         step["check"] = json.loads(out.read_text()) if out.is_file() else None
         results.append(step)
     document = {"checkpoint": manifest, "texts": len(texts), "batch_size": args.batch_size, "steps": results}
@@ -883,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         marker, rest = Path(argv[1]), argv[3:]
         _instrument(marker)
         if rest[:1] == ["_oracle"]:
-            return oracle_main(rest[1], rest[2])
+            return oracle_main(rest[1], rest[2], rest[3:])
         from moee.cli import main as moee_main
 
         return moee_main(rest)

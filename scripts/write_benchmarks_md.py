@@ -658,7 +658,13 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         if oracle:
             worst = max(oracle.get("max_abs_diff", {}).values(), default=float("nan"))
             lines += [
-                "Oracle check in bfloat16 (`moee.capture.oracle.check_model`): "
+                "Oracle check in bfloat16 (`moee.capture.oracle.check_model`"
+                + (
+                    f", {oracle['offloaded_parameters']:,} parameters offloaded to disk"
+                    if oracle.get("offloaded_parameters")
+                    else ""
+                )
+                + "): "
                 + (
                     f"passed; hooks vs `output_router_logits` max abs diff {worst:.1e} (tolerance {oracle['atol']:.0e}), "
                     f"dispatch weights over native scores spread {oracle['native_weight_spread']:.1e} (tolerance "

@@ -114,6 +114,23 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
     assert document["deleted"] and not folder.exists()
 
 
+def test_the_oracle_step_loads_with_the_run_s_memory_cap_and_disk_offload(rehearse, tmp_path):
+    """A model larger than memory is checked the way the other steps load it: ``--load-flags``
+    reach the oracle's own load (before, it loaded everything into memory, which a 28.6 GB model
+    on a 24 GB machine cannot survive)."""
+    folder = tmp_path / "tiny-olmoe"
+    manifest = rehearse.write_checkpoint("olmoe-1b-7b", folder, tiny=True)
+    out, offload = tmp_path / "oracle.json", tmp_path / "offload"
+    offload.mkdir()
+    flags = ["--device-map", "auto", "--max-memory", f"cpu={manifest['weight_bytes'] // 2}"]
+    assert rehearse.oracle_main(str(folder), str(out), [*flags, "--offload-folder", str(offload)]) == 0
+    check = json.loads(out.read_text())
+    assert check["passed"] and check["dtype"] == "torch.bfloat16", check
+    assert check["offloaded_parameters"] > 0  # the layers beyond the cap were on disk while checked
+    with pytest.raises(ValueError, match="only applies with --device-map"):  # as on every command
+        rehearse.oracle_main(str(folder), str(out), ["--max-memory", "cpu=1GiB"])
+
+
 def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
     """BENCHMARKS.md section 13 comes from bench/results/rehearsal/*.json (no figure typed by hand)."""
     scripts = str(SCRIPT.parent)
