@@ -595,6 +595,78 @@ def _full_parameters(checkpoint: dict) -> float:
     return float(CONFIGS.get(checkpoint["configuration"], {}).get("params", 0.0))
 
 
+def _report_growth(ck: dict[str, Any], steps: list[dict]) -> str:
+    """How ``moee report``'s memory grew with its corpus: flat, or still growing."""
+    reports = sorted((s for s in steps if "corpus_tokens" in s), key=lambda s: s["corpus_tokens"])
+    if len(reports) < 2:
+        return ""
+    grown = ", ".join(f"{_gb(s['run_growth_bytes'])} GB on {s['corpus_tokens']:,}" for s in reports)
+    prev, last = reports[-2], reports[-1]
+    more = last["run_growth_bytes"] - prev["run_growth_bytes"]
+    flat = more <= 0.05 * ck["weight_bytes"]
+    return (
+        f"`moee report` grew by {grown} tokens (texts of one length band, so every size meets the same "
+        "batch shapes): "
+        + (
+            f"flat from {prev['corpus_tokens']:,} tokens on ({_gb(more)} GB more for "
+            f"{last['corpus_tokens'] / prev['corpus_tokens']:.0f}x the tokens, under 5% of the weights); "
+            "the first batches fill the allocator's and "
+            "the kernels' caches and make the report's fixed-size tables resident."
+            if flat
+            else f"**still growing** from {prev['corpus_tokens']:,} to {last['corpus_tokens']:,} tokens."
+        )
+    )
+
+
+def _cpu_cap(command: str) -> tuple[int, str] | None:
+    """The ``cpu`` budget of the run's ``--load-flags`` (``--max-memory cpu=8GiB``): bytes and the flag's text."""
+    import shlex
+
+    from moee.loading import parse_max_memory
+
+    words = shlex.split(command)
+    flags = shlex.split(words[words.index("--load-flags") + 1]) if "--load-flags" in words else []
+    if "--max-memory" not in flags:
+        return None
+    text = flags[flags.index("--max-memory") + 1]
+    cpu = (parse_max_memory(text) or {}).get("cpu")
+    return None if cpu is None else (cpu, text)
+
+
+def _offload_reading(
+    ck: dict[str, Any], loaded: list[dict], oracle: dict[str, Any], cap_flag: tuple[int, str]
+) -> tuple[list[str], bool, str]:
+    """Reading and verdict of a run larger than its CPU budget: the goal is RssAnon bounded by the cap."""
+    cap, flag = cap_flag
+    peaks = [s["peak_rss_anon_bytes"] for s in loaded]
+    worst = max(loaded, key=lambda s: s["peak_rss_anon_bytes"])
+    vm = max(s["peak_vm_rss_bytes"] for s in loaded)
+    loads = [s["load_s"] for s in loaded]
+    walls = {s["step"]: s["wall_s"] for s in loaded}
+    off = oracle.get("offloaded_parameters") or 0
+    per_param = ck["weight_bytes"] / ck["parameters"]
+    met = max(peaks) <= cap
+    lines = [
+        "Reading:",
+        "",
+        f"- Placement: `--device-map auto --max-memory {flag}` ({_gb(cap)} GB, accelerate's budget for weights) kept "
+        f"{_gb(ck['weight_bytes'] - off * per_param)} GB of the {_gb(ck['weight_bytes'])} GB in memory and put "
+        f"{off:,} parameters ({_gb(off * per_param)} GB) in the offload folder, read back layer by layer in every "
+        "forward (the oracle check counts them).",
+        f"- Memory: peak RssAnon {_gb(min(peaks))}-{_gb(max(peaks))} GB, worst {worst['step']}, against the "
+        f"{_gb(cap)} GB cap, interpreter, load transient and one batch's activations included. The process' "
+        f"resident set (VmRSS, up to {_gb(vm)} GB) adds the file pages of the offloaded weights, page cache the "
+        "kernel reclaims under pressure: the machine never held the model in anonymous memory.",
+        f"- Run: {_report_growth(ck, loaded) or 'no report at two corpus sizes.'}",
+        f"- Time: load {min(loads):.0f}-{max(loads):.0f} s; embed {walls.get('embed', float('nan')):.0f} s for "
+        "the few texts of this run: every forward reads the offloaded layers from disk, so a model larger than "
+        "memory runs here, slowly (a GPU with enough memory, or enough RAM, is the way to use it at volume).",
+        f"- Goal (peak RssAnon bounded by the cap, {_gb(cap)} GB): {_gb(max(peaks))} GB, so "
+        f"**{'met' if met else 'missed'}**.",
+    ]
+    return lines, met, f"RssAnon {_gb(max(peaks))} GB under a {_gb(cap)} GB cap ({worst['step']})"
+
+
 def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     """``bench/results/rehearsal/*.json``: moee's commands on real-width checkpoints of random weights."""
     title = "## 13. Real widths, full and reduced depth (`scripts/rehearse_real_size.py`)"
@@ -603,6 +675,11 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     if not results:
         return [title, "", _not_run("rehearsal")], [["13", name, goal, "not run", "—"]]
     lines, rows = [title, ""], []
+    full_configs = {
+        r["checkpoint"]["configuration"]
+        for r in results
+        if r["checkpoint"]["layers"] == r["checkpoint"]["full_layers"]
+    }
     for r in sorted(results, key=lambda r: r["checkpoint"]["layers"] < r["checkpoint"]["full_layers"]):
         ck, steps = r["checkpoint"], r["steps"]
         full = ck["layers"] == ck["full_layers"]
@@ -614,6 +691,8 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         m, v = r["machine"], r["versions"]
         by = {s["step"]: s for s in steps}
         loaded = [s for s in steps if "loads" in s]
+        # every weight stays mapped: nothing is converted, so the load has no joining transient
+        fused = bool(loaded) and loaded[0]["mapped_weight_bytes"] >= 0.99 * ck["weight_bytes"]
         versions = ", ".join(
             f"{k} {v[k]}" for k in ("moee", "torch", "transformers", "accelerate") if v.get(k)
         )
@@ -634,8 +713,13 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             "",
             "Memory in GB; RssAnon = the process' anonymous resident memory (sampled every 10 ms); held = RssAnon plus the "
             "weights that stay memory-mapped from the checkpoint (file pages, so not in RssAnon; "
-            f"{_gb(loaded[0]['mapped_weight_bytes']) if loaded else '—'} GB here: the embeddings, head and "
-            "attention, which need no conversion); growth = the peak after the load over the memory right after it.",
+            f"{_gb(loaded[0]['mapped_weight_bytes']) if loaded else '—'} GB here: "
+            + (
+                "all of them, as this checkpoint stores its experts already fused the way the model holds them"
+                if fused
+                else "the embeddings, head and attention, which need no conversion"
+            )
+            + "); growth = the peak after the load over the memory right after it.",
             "",
             "| step | load s | wall s | RssAnon before load | after load | peak | growth | held after load / weights | load peak / weights | peak held / weights |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -682,7 +766,22 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                 f"{serve.get('max_abs_diff_vs_embed', float('nan')):.1e} (other batches, bfloat16).",
                 "",
             ]
-        reports = sorted((s for s in steps if "corpus_tokens" in s), key=lambda s: s["corpus_tokens"])
+        cap = _cpu_cap(r["command"])
+        if cap is not None:
+            reading, met, measured = _offload_reading(ck, loaded, oracle, cap)
+            lines += reading + [""]
+            if failed:
+                lines += [f"Failed steps: {', '.join(failed)}.", ""]
+            rows.append(
+                [
+                    "13",
+                    f"{name}, {ck['configuration']} (disk offload)",
+                    "bounded by the cap",
+                    measured,
+                    "met" if met else "**missed**",
+                ]
+            )
+            continue
         held = [s["held_after_load_over_weights"] for s in loaded]
         load_peaks = [s["load_peak_over_weights"] for s in loaded]
         peaks = [s["peak_held_over_weights"] for s in loaded]
@@ -696,29 +795,18 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             "",
             f"- Weights: after the load every process holds {_span(held, _x)} the weights' bytes beyond "
             "what it held before: no float32 copy and no second copy of the bfloat16 weights.",
-            f"- Load: the peak is {_span(load_peaks, _x)}, a transient of up to "
-            f"{_gb(max(s['load_peak_rss_anon_bytes'] - s['rss_anon_after_load_bytes'] for s in loaded))} GB while "
-            "transformers joins the checkpoint's per-expert tensors into the model's 3-D expert tensors.",
+            f"- Load: the peak is {_span(load_peaks, _x)}, "
+            + (
+                "the same as after it: the checkpoint's tensors are used as they are mapped, with nothing to join."
+                if fused
+                else f"a transient of up to "
+                f"{_gb(max(s['load_peak_rss_anon_bytes'] - s['rss_anon_after_load_bytes'] for s in loaded))} GB "
+                "while transformers joins the checkpoint's per-expert tensors into the model's 3-D expert tensors."
+            ),
             f"- Run: the growth ({_gb(min(growth))}-{_gb(max(growth))} GB) is one batch's activations (transformers' "
             "expert path copies each token once per selected expert) and memory the allocator keeps for reuse; ",
         ]
-        if len(reports) >= 2:
-            grown = ", ".join(f"{_gb(s['run_growth_bytes'])} GB on {s['corpus_tokens']:,}" for s in reports)
-            prev, last = reports[-2], reports[-1]
-            more = last["run_growth_bytes"] - prev["run_growth_bytes"]
-            flat = abs(more) <= 0.05 * ck["weight_bytes"]
-            reading[-1] += (
-                f"`moee report` grew by {grown} tokens (texts of one length band, so every size meets the same "
-                "batch shapes): "
-                + (
-                    f"flat from {prev['corpus_tokens']:,} tokens on ({_gb(more)} GB more for "
-                    f"{last['corpus_tokens'] / prev['corpus_tokens']:.0f}x the tokens, under 5% of the weights); "
-                    "the first batches fill the allocator's and "
-                    "the kernels' caches and make the report's fixed-size tables resident."
-                    if flat
-                    else f"**still growing** from {prev['corpus_tokens']:,} to {last['corpus_tokens']:,} tokens."
-                )
-            )
+        reading[-1] += _report_growth(ck, steps)
         loads = [s["load_s"] for s in loaded]
         reading.append(
             f"- Load time {min(loads):.0f}-{max(loads):.0f} s: reading {_gb(ck['weight_bytes'])} GB of shards, from "
@@ -744,12 +832,17 @@ def rehearsal_section(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         reading.append(
             f"- Goal (peak held <= {REHEARSAL_GOAL}x the weights): {_x(min(peaks))}-{_x(max(peaks))}, worst "
             f"{worst_step['step']}, so **missed at this depth**. What exceeds the weights ({_gb(extra)} GB at most) is "
-            f"the interpreter and libraries before the load ({_gb(min(before))}-{_gb(max(before))} GB), the load's "
-            "transient and one batch's activations: none of it grows with the number of layers, so it is "
+            f"the interpreter and libraries before the load ({_gb(min(before))}-{_gb(max(before))} GB)"
+            + (" and " if fused else ", the load's transient and ")
+            + "one batch's activations: none of it grows with the number of layers, so it is "
             f"{extra / ck['weight_bytes']:.0%} of {_gb(ck['weight_bytes'])} GB here"
             + (
-                f" and would be {extra / full_bytes:.0%} of the full model's {_gb(full_bytes)} GB (an estimate; "
-                "the full-depth run above measures it)."
+                f" and would be {extra / full_bytes:.0%} of the full model's {_gb(full_bytes)} GB ("
+                + (
+                    "an estimate; the full-depth run above measures it)."
+                    if ck["configuration"] in full_configs
+                    else "an estimate: no full-depth run of this model here)."
+                )
                 if full_bytes
                 else "."
             )

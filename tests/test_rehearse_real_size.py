@@ -151,3 +151,46 @@ def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
     assert "| 13 | real widths" in text
     empty = render(tmp_path / "none", tmp_path / "missing.json")
     assert "rehearse_real_size.py write olmoe-1b-7b" in empty.split("## 13.")[1]  # not run: its command
+
+
+def test_benchmarks_md_reads_an_offloaded_run_against_its_cap_and_a_fused_checkpoint_without_a_join(
+    tmp_path,
+):
+    """A run larger than memory is judged by RssAnon under its --max-memory cap (not by held / weights),
+    and a checkpoint whose experts are stored fused is not said to join per-expert tensors."""
+    scripts = str(SCRIPT.parent)
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from write_benchmarks_md import render
+
+    committed = SCRIPT.parent.parent / "bench" / "results" / "rehearsal" / "olmoe-1b-7b-L2.json"
+    base = json.loads(committed.read_text())
+    (tmp_path / "rehearsal").mkdir()
+    offloaded = json.loads(json.dumps(base))
+    offloaded["checkpoint"].update(configuration="big", hub_id="org/big", layers=16, full_layers=16)
+    offloaded["command"] += " --load-flags '--device-map auto --max-memory cpu=1GiB --offload-folder /x'"
+    for step in offloaded["steps"]:
+        if step["step"] == "oracle":
+            step["check"]["offloaded_parameters"] = 123
+    (tmp_path / "rehearsal" / "big.json").write_text(json.dumps(offloaded))
+    peak = max(s["peak_rss_anon_bytes"] for s in offloaded["steps"] if "loads" in s)
+    text = render(tmp_path, tmp_path / "missing.json")
+    section = text.split("### org/big")[1].split("\n### ")[0]
+    assert "`--device-map auto --max-memory cpu=1GiB` (1.07 GB" in section
+    assert f"{peak / 1e9:.2f} GB, so **missed**" in section  # 2.80 GB over a 1.07 GB cap
+    assert "| 13 | real widths" in text and "(disk offload) | bounded by the cap |" in text
+    # under a cap above the peak the verdict flips
+    offloaded["command"] = offloaded["command"].replace("cpu=1GiB", "cpu=8GiB")
+    (tmp_path / "rehearsal" / "big.json").write_text(json.dumps(offloaded))
+    assert "so **met**" in render(tmp_path, tmp_path / "missing.json").split("### org/big")[1].split("\n### ")[0]
+
+    fused = json.loads(json.dumps(base))
+    for step in fused["steps"]:
+        if "loads" in step:
+            step["mapped_weight_bytes"] = fused["checkpoint"]["weight_bytes"]
+    (tmp_path / "rehearsal" / "big.json").unlink()
+    (tmp_path / "rehearsal" / committed.name).write_text(json.dumps(fused))
+    section = render(tmp_path, tmp_path / "missing.json").split("## 13.")[1]
+    assert "already fused" in section and "nothing to join" in section
+    assert "joins the checkpoint's per-expert tensors" not in section
+    assert "no full-depth run of this model here" in section
