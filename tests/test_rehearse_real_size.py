@@ -81,6 +81,29 @@ def test_a_written_folder_loads_and_is_the_model_of_its_state(rehearse, name, tm
     assert 0.015 < min(stds) and max(stds) < 0.025, stds  # the config's initializer_range, 0.02
 
 
+@pytest.mark.slow
+def test_the_writer_holds_one_part_at_a_time_at_real_width(rehearse, tmp_path):
+    """DeepSeekMoE-16B's per-expert tensors at their real widths, 4 MoE layers of 1.18 GB: the
+    writer's peak resident memory stays under two such layers over its start (it kept every layer
+    resident before the heap was trimmed, 4.4 GB here, 24 GB at 11 layers, and was killed)."""
+    import subprocess
+
+    out = tmp_path / "ds"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "write", "deepseek-moe-16b", "--layers", "5", "--out", str(out)],
+        check=True,
+        timeout=600,
+    )
+    manifest = json.loads((out / rehearse.MANIFEST).read_text())
+    config = rehearse.build_config("deepseek-moe-16b", layers=5)
+    largest = max(
+        sum(p.numel() * p.element_size() for p in module.parameters())
+        for _, module in rehearse.model_parts(rehearse.meta_model(config))
+    )
+    assert manifest["weight_bytes"] > 4 * largest  # the run writes several parts of this size
+    assert manifest["write_vm_hwm_bytes"] < 0.8e9 + 1.5 * largest, (manifest["write_vm_hwm_bytes"], largest)
+
+
 def test_reduced_depth_and_unknown_names_are_checked(rehearse):
     assert rehearse.build_config("olmoe-1b-7b", layers=2).num_hidden_layers == 2
     config = rehearse.build_config("gpt-oss-20b", layers=3)
@@ -182,7 +205,9 @@ def test_benchmarks_md_reads_an_offloaded_run_against_its_cap_and_a_fused_checkp
     # under a cap above the peak the verdict flips
     offloaded["command"] = offloaded["command"].replace("cpu=1GiB", "cpu=8GiB")
     (tmp_path / "rehearsal" / "big.json").write_text(json.dumps(offloaded))
-    assert "so **met**" in render(tmp_path, tmp_path / "missing.json").split("### org/big")[1].split("\n### ")[0]
+    assert (
+        "so **met**" in render(tmp_path, tmp_path / "missing.json").split("### org/big")[1].split("\n### ")[0]
+    )
 
     fused = json.loads(json.dumps(base))
     for step in fused["steps"]:
