@@ -70,7 +70,11 @@ def markdown(results: dict, meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model path (default: the bundled model)")
+    parser.add_argument(
+        "--model",
+        default="minilm-moe",
+        help="model name or path (default: minilm-moe, whose figures analysis/overlap holds)",
+    )
     parser.add_argument("--out", default="analysis/overlap")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

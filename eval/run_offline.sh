@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce eval/results/offline/ and eval/results/offline_mean/: the offline mteb suite (8 tasks from
-# real data) on the bundled default model with HS, RW, MoEE concat and MoEE sum, each without a prompt
+# real data) on minilm-moe (the package's small model) with HS, RW, MoEE concat and MoEE sum, each without a prompt
 # and with PromptEOL, the label-free alpha, the dense baseline all-MiniLM-L6-v2 and the alpha
 # sensitivity curve, with last-token pooling (the paper's) in offline/ and mean pooling (the bundled
 # model's default recipe, eval/results/recipes) in offline_mean/.
@@ -18,14 +18,14 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT="${1:-eval/results/offline}"
 MEAN_OUT="${2:-eval/results/offline_mean}"
-python -m moee.cli evaluate \
+python -m moee.cli evaluate --model minilm-moe \
   --tasks offline \
   --methods hs,rw,moee_concat,moee_sum \
   --prompts none,prompteol \
   --pooling mean \
   --alpha auto --alpha-rule spearman \
   --out "$MEAN_OUT"
-exec python -m moee.cli evaluate \
+exec python -m moee.cli evaluate --model minilm-moe \
   --tasks offline \
   --methods hs,rw,moee_concat,moee_sum \
   --prompts none,prompteol \

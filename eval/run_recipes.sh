@@ -11,7 +11,7 @@
 # Fully offline, CPU only. Finished (configuration, task) pairs are cached, so a rerun resumes.
 #
 #   eval/run_recipes.sh [OUT_DIR]            (default: eval/results/recipes)
-# Environment: MODEL (default: the bundled model), TASKS (quick), HS_LAYER (the middle decoder layer),
+# Environment: MODEL (default: minilm-moe, whose figures eval/results/recipes holds), TASKS (quick), HS_LAYER (the middle decoder layer),
 #   HS_RANGE (the middle half), RW_LAYERS (the last half of the MoE layers),
 #   REF_CORPUS (build/corpus/heldout.jsonl, the held-out split of the training corpus: never an evaluation
 #   text; scripts/build_corpus.py builds it; without it the reference variant is skipped), REF_TEXTS (400).
@@ -20,8 +20,8 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT="${1:-eval/results/recipes}"
 TASKS="${TASKS:-quick}"
-MODEL_ARGS=()
-[ -n "${MODEL:-}" ] && MODEL_ARGS=(--model "$MODEL")
+MODEL="${MODEL:-minilm-moe}"
+MODEL_ARGS=(--model "$MODEL")
 PY="${PYTHON:-python}"
 mkdir -p "$OUT/runs"
 

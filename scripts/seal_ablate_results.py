@@ -28,7 +28,7 @@ from moee.analysis.specialization.ablate_results import (
     write_result,
 )
 from moee.analysis.specialization.sections import ablation, router_swap, steering
-from moee.embed.embedder import DEFAULT_MODEL_DIR
+from moee.embed.embedder import MINILM_MOE_DIR
 from moee.embed.reference import weights_digest
 
 #: Each kind's shape check, as the report's reader applies it.
@@ -54,7 +54,7 @@ def seal_file(path: Path) -> str:
     if recorded is None:
         raise ValueError(f"{path} records no weights digest: re-run `moee ablate` instead")
     model = meta.get("model")
-    folder = DEFAULT_MODEL_DIR if model in (None, BUNDLED) else Path(str(model))
+    folder = MINILM_MOE_DIR if model in (None, BUNDLED) else Path(str(model))
     if not folder.is_dir():
         raise ValueError(
             f"{path}: its model {model} is not a local folder here; re-run `moee ablate` instead"

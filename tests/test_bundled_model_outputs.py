@@ -80,7 +80,7 @@ def _outputs(emb) -> dict[str, torch.Tensor]:
 def _embedder():
     import moee
 
-    return moee.MoEEmbedder.from_pretrained(device="cpu")
+    return moee.MoEEmbedder.from_pretrained("minilm-moe", device="cpu")  # the fixture is this model's
 
 
 def write_fixture() -> None:

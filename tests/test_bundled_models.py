@@ -122,3 +122,16 @@ def test_the_smollm2_moe_assembles_once_by_name_with_the_recorded_weights():
     assert shipped.shipped_name(folder) == "smollm2-moe"
     vectors = embedder.encode(["a cat sat on the mat"])
     assert vectors.ndim == 2 and vectors.shape[0] == 1 and np.isfinite(vectors).all()
+
+
+def test_the_default_is_the_real_llm_and_ablate_results_of_the_old_default_stay_minilm_s():
+    """No model named loads smollm2-moe; a `moee ablate` result written before the switch recorded
+    "bundled default model", which meant minilm-moe's folder, and is still read as that model."""
+    from moee.analysis.specialization import ablate_results
+
+    assert shipped.DEFAULT_MODEL == "smollm2-moe"
+    assert shipped.config_dir(None) == shipped.BUNDLED["smollm2-moe"].config_dir
+    minilm = str(shipped.BUNDLED["minilm-moe"].config_dir.resolve())
+    assert ablate_results._local(ablate_results.BUNDLED) == minilm
+    assert ablate_results._local("minilm-moe") == minilm
+    assert ablate_results._local(None) == str(shipped.BUNDLED["smollm2-moe"].config_dir.resolve())

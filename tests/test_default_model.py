@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moee.embed.embedder import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+from moee.embed.embedder import MINILM_MOE_DIR as DEFAULT_MODEL
 
 pytestmark = pytest.mark.skipif(
     not (DEFAULT_MODEL / "model.safetensors").exists(), reason="bundled model not exported"

@@ -69,13 +69,13 @@ def _tokenizers():
     from transformers import AutoTokenizer, ByT5Tokenizer
 
     from moee.capture.tiny import TINY_WORDS, tiny_tokenizer
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
 
     slow = ByT5Tokenizer()  # a slow tokenizer: no offsets, so the cut falls back to word boundaries
     assert not slow.is_fast
     return {
         "word-level": tiny_tokenizer([*TINY_WORDS, *WORDS]),
-        "wordpiece (bundled)": AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR),
+        "wordpiece (bundled)": AutoTokenizer.from_pretrained(MINILM_MOE_DIR),
         "byte-level BPE with BOS": _bpe_with_bos(),
         "byt5 (slow)": slow,
     }

@@ -19,7 +19,7 @@ from moee.embed.config import (
     resolve_config,
     save_model_config,
 )
-from moee.embed.embedder import DEFAULT_MODEL_DIR, MoEEmbedder
+from moee.embed.embedder import MINILM_MOE_DIR, MoEEmbedder
 from moee.evaluation.adapter import MoEEMTEBEncoder, TraceCache, get_model
 
 TEXTS = ["the cat sat on the mat", "a dog ran under the big green tree", "music", "", "rain at night"]
@@ -123,20 +123,20 @@ def test_a_hub_repository_is_read_through_the_cache_offline(tmp_path, monkeypatc
 def test_the_bundled_model_carries_its_configuration():
     # the recipe table's best recipe for every method (eval/results/recipes/recipes.md): mean pooling,
     # standardised with the model's own reference statistics (fitted on its training corpus)
-    assert load_model_config(DEFAULT_MODEL_DIR) == EmbeddingConfig(
-        pooling="mean", reference=str(DEFAULT_MODEL_DIR / "reference.safetensors")
+    assert load_model_config(MINILM_MOE_DIR) == EmbeddingConfig(
+        pooling="mean", reference=str(MINILM_MOE_DIR / "reference.safetensors")
     )
 
 
 @pytest.fixture(scope="module")
 def bundled() -> MoEEmbedder:
-    return MoEEmbedder.from_pretrained(device="cpu")
+    return MoEEmbedder.from_pretrained("minilm-moe", device="cpu")  # the model shipped whole
 
 
 @pytest.mark.slow
 def test_a_copy_of_the_bundled_folder_behaves_exactly_like_the_original(bundled, tmp_path):
     copy = tmp_path / "somewhere" / "my-model"
-    shutil.copytree(DEFAULT_MODEL_DIR, copy)
+    shutil.copytree(MINILM_MOE_DIR, copy)
     other = MoEEmbedder.from_pretrained(copy, device="cpu")
     assert other.model_config == EmbeddingConfig(
         pooling="mean", reference=str(copy / "reference.safetensors")

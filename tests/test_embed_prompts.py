@@ -218,12 +218,12 @@ def test_tokenize_prompts_counts_the_cut_and_rejects_a_template_too_long(tiny):
 
 @pytest.mark.slow
 def test_long_texts_under_prompteol_with_the_bundled_model():
-    """The bundled model declares the 256-token context it was trained on, and a long real text cut
+    """minilm-moe declares the 256-token context it was trained on, and a long real text cut
     to it under PromptEOL still ends with the template (real WordPiece offsets)."""
     from moee.data.offline_tasks import load_task_data
     from moee.embed.embedder import MoEEmbedder
 
-    emb = MoEEmbedder.from_pretrained(None, device="cpu")
+    emb = MoEEmbedder.from_pretrained("minilm-moe", device="cpu")
     assert emb.max_length == 256
     assert emb.tokenizer.model_max_length == 256
     text = " ".join(r["text"] for r in load_task_data("reuters_classification")["test"][:3])

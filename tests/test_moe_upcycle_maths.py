@@ -215,10 +215,10 @@ def test_calibration_sample_defaults_to_the_shipped_texts_or_seeded_random_ids()
         }
 
     ids, mask = up._calibration_sample(_vocab(50), None, None, seed=0, tokenizer=tokenizer)
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
 
     shipped = [
-        json.loads(line)["text"] for line in (DEFAULT_MODEL_DIR / "heldout.jsonl").read_text().splitlines()
+        json.loads(line)["text"] for line in (MINILM_MOE_DIR / "heldout.jsonl").read_text().splitlines()
     ]
     assert up.calibration_texts(3) == shipped[:3]
     assert seen["n"] == 256 and seen["first"] == shipped[0]

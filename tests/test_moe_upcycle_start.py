@@ -269,10 +269,10 @@ def test_a_calibrate_corpus_is_checked_before_loading(tmp_path, capsys):
 
 
 def test_calibration_texts_are_documents_of_many_kinds_shipped_with_the_package():
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
     from moee.moe.upcycle import calibration_texts
 
-    rows = [json.loads(line) for line in (DEFAULT_MODEL_DIR / "heldout.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (MINILM_MOE_DIR / "heldout.jsonl").read_text().splitlines()]
     texts = calibration_texts()
     assert texts == [r["text"] for r in rows[:256]] and len(set(texts)) == 256
     assert len({r["source"] for r in rows[:256]}) >= 8

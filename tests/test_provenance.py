@@ -49,12 +49,12 @@ def test_benchmark_results_keep_their_keys(tmp_path):
 
 
 def test_a_result_names_its_model_without_the_machines_folder(tmp_path, monkeypatch):
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
     from moee.provenance import model_label
 
     assert model_label("allenai/OLMoE-1B-7B-0924") == "allenai/OLMoE-1B-7B-0924"  # a Hub id as given
     assert model_label("runs/model") == "runs/model"  # relative: as given
-    assert model_label(DEFAULT_MODEL_DIR) == "moee/assets/default-model"
+    assert model_label(MINILM_MOE_DIR) == "moee/assets/default-model"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "mine").mkdir(parents=True)
     assert model_label(tmp_path / "models" / "mine") == "models/mine"
@@ -63,9 +63,9 @@ def test_a_result_names_its_model_without_the_machines_folder(tmp_path, monkeypa
 
 def test_a_result_records_the_reference_without_the_machines_folder(tmp_path, monkeypatch):
     from moee.embed.config import EmbeddingConfig
-    from moee.embed.embedder import DEFAULT_MODEL_DIR
+    from moee.embed.embedder import MINILM_MOE_DIR
 
-    shipped = EmbeddingConfig(reference=str(DEFAULT_MODEL_DIR / "reference.safetensors"))
+    shipped = EmbeddingConfig(reference=str(MINILM_MOE_DIR / "reference.safetensors"))
     assert shipped.to_record()["reference"] == "moee/assets/default-model/reference.safetensors"
     assert shipped.to_dict()["reference"] == shipped.reference  # a sidecar keeps the path it opens
     assert {**shipped.to_record(), "reference": shipped.reference} == shipped.to_dict()

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from moee.io import FolderOutput
+from moee.models.bundled import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from moee.analysis.settings import AblateSettings
@@ -230,7 +231,7 @@ def run_ablation(
     shown = shlex.join(command) if command is not None else str(record["command"])  # the README's
     meta = {
         **record,
-        "model": s.model or "bundled default model",
+        "model": s.model or DEFAULT_MODEL,  # the name, not "the default": that changes
         "weights_digest": weights_digest(embedder),  # what `moee report --ablation` (...) checks
     }
     if s.swap_from:

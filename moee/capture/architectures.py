@@ -215,7 +215,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "moee_lm": Architecture("softmax", "this project's own MoE LM (`moee.moe.lm`), no special case"),
     "moee_upcycled": Architecture(
         "softmax_bias",
-        "this project's upcycled dense models (`moee.moe.upcycled`, the bundled model); the router names "
+        "this project's upcycled dense models (`moee.moe.upcycled`, both shipped models); the router names "
         "its gate's rule; checked in copy mode (split mode sums the selected experts, the scores only select)",
     ),
     # softmax for scores, a statistics / correction bias for the selection only

@@ -91,7 +91,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
 
 # Model types whose config wraps a dense model's (``text_config``): that model, shrunk the same way.
 _TEXT_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "moee_upcycled": ("bert", {"is_decoder": True}),  # as the bundled model: a causal BERT
+    "moee_upcycled": ("bert", {"is_decoder": True}),  # as minilm-moe: a causal BERT
 }
 
 TINY_WORDS = (

@@ -5,7 +5,7 @@ Single process::
     moee embed corpus.txt --out corpus.npy --method moee_sum --prompt prompteol
 
 Every configuration flag left out comes from the model's saved configuration (its folder's
-``moee_embedding.json``; the bundled model's: mean pooling, no prompt), else the library default;
+``moee_embedding.json``; the default model's: mean pooling, no prompt), else the library default;
 the sidecar records the configuration used, and digests of what the rows depend on: the texts
 (``texts_sha256``), the model's weights (``weights_digest``) and a reference's statistics
 (``reference_sha256``), and of its own content (``sidecar_sha256``); `moee search` checks them.

@@ -1,9 +1,9 @@
-"""``moee quickstart``: the whole pipeline on the bundled default model, offline, in about a minute.
+"""``moee quickstart``: the whole pipeline on the bundled default model, offline, in about 75 s on 2 cores.
 
 1. loads the model and the mini variants of the offline suite (one task per family, ``--tasks
    mini``);
 2. embeds every text of those tasks under two configurations: **the model's own** (its saved
-   ``moee_embedding.json``, else the library defaults; the bundled model's: mean pooling, no prompt),
+   ``moee_embedding.json``, else the library defaults; the default model's: mean pooling, no prompt),
    resolved by the rule every command follows (``moee.embed.config.resolve_config``), and **the
    paper's** (MoEE sum, PromptEOL, last token, softmax RW). One forward pass per text and
    configuration serves every method; a sample of the texts is written as HS, RW, MoEE concat and
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "quickstart",
         help="offline demo: embed, evaluate the model's and the paper's configuration beside the "
-        "baseline, report (about a minute on 2 CPU cores)",
+        "baseline, report (about 75 s on 2 CPU cores)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """`moee serve`: an OpenAI-compatible embeddings server that also serves token routing.
 
-    moee serve --port 8080                      # the bundled model on 127.0.0.1:8080
+    moee serve --port 8080                      # the default model on 127.0.0.1:8080
     MOEE_API_KEY=secret moee serve --host 0.0.0.0 --model allenai/OLMoE-1B-7B-0924 --device cuda
 
 Then any OpenAI client embeds with it (``base_url="http://127.0.0.1:8080/v1"``, ``api_key`` the

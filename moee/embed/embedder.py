@@ -73,13 +73,13 @@ from moee.embed.recipes import (
 )
 from moee.embed.reference import weights_digest, weights_fingerprint
 from moee.embed.validation import check_positive_int, check_texts
-from moee.loading import DEFAULT_MODEL_DIR  # re-exported: the embedder's default model
+from moee.loading import MINILM_MOE_DIR  # re-exported: the folder of the shipped minilm-moe
 from moee.models.bundled import resolve_model
 
 if TYPE_CHECKING:
     from moee.loading import LoadOptions
 
-__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "DEFAULT_MODEL_DIR", "model_lock"]
+__all__ = ["MoEEmbedder", "RoutingTrace", "TokenRoutes", "MINILM_MOE_DIR", "model_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class MoEEmbedder:
     ) -> MoEEmbedder:
         """Load a causal LM and its tokenizer with :func:`moee.loading.load_model`, the loader every
         command uses (``dtype``, ``device_map`` and any other keyword are passed through to
-        transformers). ``None`` loads the bundled default model; a training checkpoint folder
+        transformers). ``None`` loads the default model (``moee.models.bundled.DEFAULT_MODEL``); a training checkpoint folder
         (``moee train``'s ``run/step_XXXXXXXX``) loads with the tokenizer its run names, and
         ``tokenizer`` (a directory or Hub id) overrides the model's own. Weights load from
         safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`).

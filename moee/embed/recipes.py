@@ -181,7 +181,7 @@ def token_prepending_layers(n_layers: int) -> list[int]:
     prepend; Fu et al. 2025 find the gain comes from the early layers and fades or turns into a loss
     when the replacement continues into the later ones, where the last token's state has turned
     into a next-token prediction. The first quarter of the stack (at least one layer) follows
-    that finding for any depth: 8 of 32 layers, 2 of the bundled model's 8, 1 of a 2-layer model.
+    that finding for any depth: 8 of 32 layers, 2 of minilm-moe's 8, 1 of a 2-layer model.
     """
     if n_layers < 2:
         raise ValueError(f"token_prepending needs at least 2 decoder layers, the model has {n_layers}")

@@ -200,7 +200,7 @@ class MoEEMTEBEncoder(AbsEncoder):
     label-free weight is chosen per task from the task's own texts before evaluation, and
     ``"auto"`` (not the numbers) names the results. ``trace_cache`` (optional) shares forward passes
     between encoders of the same prompt; ``revision`` (optional) skips hashing the weights again when
-    the caller already has it. ``embedder`` may be a name or path (``None``: the bundled model),
+    the caller already has it. ``embedder`` may be a name or path (``None``: the default model),
     loaded on ``device`` with the other keywords going to ``MoEEmbedder.from_pretrained``.
 
     mteb says which side of a retrieval task it encodes (``prompt_type``): queries get the model's
@@ -403,7 +403,7 @@ def get_model(
 ) -> MoEEMTEBEncoder:
     """The mteb encoder of a model under one configuration, as ``mteb.get_model`` returns one:
     ``mteb.evaluate(get_model("path/or/hub-id", method="hs"), tasks)``. ``model`` is a name or path
-    (``None``: the bundled model) or a loaded ``MoEEmbedder``; ``config`` or the keywords named like
+    (``None``: the default model) or a loaded ``MoEEmbedder``; ``config`` or the keywords named like
     an ``EmbeddingConfig`` field (``method``, ``pooling``, ``prompt``, ``score``, ``alpha``,
     ``normalize``, ``recipe``, ``hs_layer``, ``rw_layers``, ``reference``) choose the configuration,
     the rest comes from the model's own (``resolve_config``); other keywords go to

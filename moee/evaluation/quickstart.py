@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moee.evaluation.settings import QuickstartSettings
+from moee.models.bundled import DEFAULT_MODEL
 
 __all__ = [
     "ALPHA",
@@ -209,7 +210,7 @@ def _load(settings: QuickstartSettings, log: Callable[[str], None]) -> tuple[Any
     from moee.embed.embedder import MoEEmbedder
     from moee.evaluation.runner import load_task_data, resolve_tasks
 
-    log(f"[1/4] loading {settings.model or 'the bundled default model'} and the mini tasks ...")
+    log(f"[1/4] loading {settings.model or DEFAULT_MODEL} and the mini tasks ...")
     embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
     tasks = resolve_tasks("mini")
     load_task_data(tasks)

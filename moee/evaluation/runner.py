@@ -47,6 +47,7 @@ from moee.evaluation.adapter import (
 from moee.evaluation.alpha import choose_alpha
 from moee.evaluation.paper import paper_task_names
 from moee.evaluation.settings import EvalSettings  # re-exported: where it has always been
+from moee.models.bundled import DEFAULT_MODEL
 
 #: Packages recorded with every run besides ``moee.io.package_versions``'s (baseline, classifiers).
 EVAL_PACKAGES = ("sentence-transformers", "scikit-learn", "scipy", "datasets")
@@ -332,7 +333,7 @@ def _tasks_and_embedder(
     if embedder is None:
         from moee.embed.embedder import MoEEmbedder
 
-        log(f"loading model {settings.model or '(bundled default)'} ...")
+        log(f"loading model {settings.model or DEFAULT_MODEL} ...")
         embedder = MoEEmbedder.from_pretrained(settings.model, settings.load)
     return tasks, embedder
 
@@ -516,7 +517,7 @@ def _run_info(
     model_config = resolved.model_config
     return {
         "command": record["command"],
-        "model": settings.model or "bundled default (moee/assets/default-model)",
+        "model": settings.model or DEFAULT_MODEL,
         "model_name": model_name(run.embedder),
         "model_revision": run.revision,
         "model_training": _training_summary(run.embedder),

@@ -90,7 +90,7 @@ def _fixed_size(vectors: np.ndarray, dtype: Any) -> Any:
 class MoEEmbedBatches:
     """``Dataset.map_batches`` callable adding embeddings of ``text_column`` (see the module doc).
 
-    ``model``: a name or path (``None``: the bundled model); ``load``: :class:`moee.loading.LoadOptions`
+    ``model``: a name or path (``None``: the default model); ``load``: :class:`moee.loading.LoadOptions`
     fields (device, dtype, ...); ``dtype``: the columns' float type; ``id_column``: named in errors;
     every other keyword is an embedding-configuration field.
     """

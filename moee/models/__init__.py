@@ -1,7 +1,7 @@
 """The model types moee defines, and their registration with the transformers Auto classes.
 
 :data:`MODEL_TYPES` names every ``model_type`` moee implements: its from-scratch LM
-(``moee_lm``), upcycled models (``moee_upcycled``, the bundled model among them) and the native
+(``moee_lm``), upcycled models (``moee_upcycled``, both shipped models) and the native
 DeepSeekMoE v1 (``deepseek``, which transformers 5 lacks). Importing a module of that table
 registers its config with ``AutoConfig`` and its models with ``AutoModel`` /
 ``AutoModelForCausalLM``; :func:`register_models` imports them all (idempotent).

@@ -71,7 +71,8 @@ BUNDLED: dict[str, BundledModel] = {
         BundledModel(
             "minilm-moe",
             "24M-parameter MoE upcycled from all-MiniLM-L6-v2 and pretrained further on CPU "
-            "(8 layers x 32 experts, top-4, a shared expert): small and fast, for tests and quick tries",
+            "(8 layers x 32 experts, top-4, a shared expert): small and fast, for tests and quick tries; "
+            "shipped whole in the package",
             _ASSETS / "default-model",
         ),
         BundledModel(
@@ -84,8 +85,9 @@ BUNDLED: dict[str, BundledModel] = {
     )
 }
 
-#: The model that loads when none is named.
-DEFAULT_MODEL = "minilm-moe"
+#: The model that loads when none is named: a real instruction-tuned LLM under moee (its card:
+#: ``moee/assets/smollm2-moe/README.md``); ``minilm-moe`` stays available by name for fast tests.
+DEFAULT_MODEL = "smollm2-moe"
 #: What a ``--model`` flag says it takes.
 MODEL_HELP = f"model: a shipped model's name ({', '.join(BUNDLED)}), a Hub id or a local path"
 

@@ -405,7 +405,7 @@ def _collapse_message(report: list[dict]) -> str | None:
 
 def calibration_texts(n: int = 256, corpus: str | Path | None = None) -> list[str]:
     """The first ``n`` texts of ``corpus`` (JSONL, ``{"text": ...}`` per line), by default of the
-    bundled default model's held-out sample (406 documents from nine sources: fortunes, WordNet
+    minilm-moe's held-out sample (406 documents from nine sources: fortunes, WordNet
     glosses, Shakespeare, Python's documentation, Austen, web pages, the King James Bible,
     Wikipedia, the Jargon File; shipped with the package): text of many kinds that needs no
     download and is no evaluation data, for balancing and measuring routers when the caller gives
@@ -416,9 +416,9 @@ def calibration_texts(n: int = 256, corpus: str | Path | None = None) -> list[st
     from moee.io import iter_jsonl
 
     if corpus is None:
-        from moee.loading import DEFAULT_MODEL_DIR
+        from moee.loading import MINILM_MOE_DIR
 
-        corpus = DEFAULT_MODEL_DIR / "heldout.jsonl"
+        corpus = MINILM_MOE_DIR / "heldout.jsonl"
     return [row["text"] for _, row in islice(iter_jsonl(corpus), n)]
 
 

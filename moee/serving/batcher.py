@@ -70,7 +70,7 @@ class _Row:
 
 
 #: What one forward costs beyond its tokens, in padded-token equivalents: hook and launch overhead
-#: (on the bundled model on CPU, a forward costs about 34 ms + 0.43 ms per padded token: ~78 tokens).
+#: (on minilm-moe on CPU, a forward costs about 34 ms + 0.43 ms per padded token: ~78 tokens).
 FORWARD_OVERHEAD_TOKENS = 64
 #: More distinct lengths than this are bucketed (5% apart) before the cut is optimised.
 _MAX_GROUPS = 256

@@ -36,8 +36,11 @@ __all__ = [
 
 #: The key of a result's digest of its own content (``moee.io.seal``).
 SEAL_KEY = "result_sha256"
-#: The name ``moee ablate`` records for the bundled model (its ``--model`` left out).
+#: The name ``moee ablate`` recorded for its default model (``--model`` left out) while that was
+#: ``minilm-moe``; it now records the default's name (``moee.models.bundled.DEFAULT_MODEL``).
 BUNDLED = "bundled default model"
+#: The shipped model a result recording :data:`BUNDLED` was made with.
+BUNDLED_WAS = "minilm-moe"
 #: Each kind of ``moee ablate`` result: (its file, what it is called, the report flag that reads it,
 #: the ``moee ablate`` flags that write it).
 KINDS: dict[str, tuple[str, str, str, str]] = {
@@ -138,10 +141,10 @@ def read_result(path: str | Path, kind: str, problems: Callable[[dict], str | No
 
 
 def _local(spec: str | None) -> str | None:
-    """A model argument as a comparable name: the bundled model and local folders by their
-    resolved path, Hub ids as given."""
-    if spec is None or spec == BUNDLED:
-        spec = None
+    """A model argument as a comparable name: shipped models (``None``: the default) and local
+    folders by their resolved path, Hub ids as given."""
+    if spec == BUNDLED:
+        spec = BUNDLED_WAS
     from moee.models.bundled import BUNDLED as SHIPPED
     from moee.models.bundled import config_dir
 

@@ -345,7 +345,7 @@ def release_free_heap() -> None:
 
     Length-sorted batches each need slightly larger activations than the ones just freed, so the
     heap keeps growing instead of reusing them: without this the process's memory creeps up with
-    the corpus (measured on the bundled model: +300 MB of free heap over 1M tokens, and still
+    the corpus (measured on minilm-moe: +300 MB of free heap over 1M tokens, and still
     +230 MB with one release per 512-text chunk) although nothing the report holds does. A no-op
     without glibc.
     """
