@@ -846,6 +846,55 @@ def oracle_main(folder: str, out: str, load_flags: Sequence[str] = ()) -> int:
     return 0 if result["passed"] else 1
 
 
+def capture_main(folder: str, out: str, texts: int, repeats: int, load_flags: Sequence[str] = ()) -> int:
+    """Capture overhead at the checkpoint's real widths in bfloat16: ``encode(method="rw")`` against a
+    plain backbone forward of the very batches encode builds, interleaved (``repeats`` pairs after a
+    warm-up), loaded with the run's loading flags; the paired median ratio goes to ``out``."""
+    import statistics
+
+    import torch
+
+    from moee.benchmarking import length_mix_texts, paired_ratio, time_interleaved
+    from moee.cli_options import add_loading_arguments, load_options
+    from moee.embed.embedder import MoEEmbedder
+
+    parser = argparse.ArgumentParser(prog="_capture")
+    add_loading_arguments(parser, model=False)
+    placed = [] if "--device-map" in load_flags else ["--device", "cpu"]
+    options = load_options(parser.parse_args(["--dtype", "bfloat16", *placed, *load_flags]))
+    embedder = MoEEmbedder.from_pretrained(folder, options)
+    sample = [t.replace("\n", " ") for t in length_mix_texts(texts, seed=3)]
+    seqs = embedder._tokenize(sample)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    batches = [embedder._batch_tensors([seqs[i] for i in order[s : s + 8]]) for s in range(0, len(seqs), 8)]
+
+    def plain() -> None:
+        with torch.inference_mode():
+            for batch in batches:
+                embedder._forward(batch)
+
+    def rw() -> None:
+        embedder.encode(sample, method="rw", batch_size=8, show_progress_bar=False)
+
+    times = time_interleaved({"plain_forward": plain, "encode_rw": rw}, repeats=repeats)
+    result = {
+        "goal": f"<= {CAPTURE_GOAL}",
+        "texts": len(sample),
+        "tokens": sum(len(s) for s in seqs),
+        "repeats": repeats,
+        "median_ratio_encode_rw_vs_plain": paired_ratio(times["encode_rw"], times["plain_forward"]),
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "dtype": str(next(embedder.model.parameters()).dtype),
+        "load_average_1m": os.getloadavg()[0],  # other jobs share the cores: the ratio is paired
+    }
+    Path(out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+#: The capture overhead goal at real widths (encode(rw) over a plain forward of the same batches).
+CAPTURE_GOAL = 1.02
+
+
 def run_rehearsal(args: argparse.Namespace) -> dict[str, Any]:
     """Every step of ``run`` on the folder ``args.folder``; the result document."""
     from transformers import AutoTokenizer
@@ -890,6 +939,25 @@ def run_rehearsal(args: argparse.Namespace) -> dict[str, Any]:
                        "--max-tokens", str(args.ablate_tokens), "--no-null", "--out", str(work / "ablate")])  # fmt: skip
     if "serve" in steps:
         results.append(serve_step(model, texts, work, weight_bytes, timeout=args.timeout))
+    if "capture" in steps:
+        out = work / "capture.json"
+        step = run_measured(
+            "capture",
+            [
+                "_capture",
+                str(folder),
+                str(out),
+                str(min(len(texts), 32)),
+                "5",
+                *shlex.split(args.load_flags or ""),
+            ],
+            work,
+            weight_bytes,
+            timeout=args.timeout,
+        )
+        step["command"] = "encode(method='rw') vs a plain forward of the same batches, 5 interleaved pairs"
+        step["overhead"] = json.loads(out.read_text()) if out.is_file() else None
+        results.append(step)
     if "oracle" in steps:
         out = work / "oracle.json"
         step = run_measured(
@@ -938,6 +1006,8 @@ def main(argv: list[str] | None = None) -> int:
         _instrument(marker)
         if rest[:1] == ["_oracle"]:
             return oracle_main(rest[1], rest[2], rest[3:])
+        if rest[:1] == ["_capture"]:
+            return capture_main(rest[1], rest[2], int(rest[3]), int(rest[4]), rest[5:])
         from moee.cli import main as moee_main
 
         return moee_main(rest)
@@ -957,7 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--report-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[5000, 20000])
     r.add_argument("--ablate-tokens", type=int, default=512, help="tokens `moee ablate` uses")
     r.add_argument("--batch-size", type=int, default=8)
-    r.add_argument("--steps", default="embed,evaluate,report,routes,ablate,serve,oracle")
+    r.add_argument("--steps", default="embed,evaluate,report,routes,ablate,serve,capture,oracle")
     r.add_argument(
         "--load-flags",
         default=None,

@@ -119,11 +119,11 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
     folder = tmp_path / "tiny-olmoe"
     rehearse.write_checkpoint("olmoe-1b-7b", folder, tiny=True)
     out = tmp_path / "result.json"
-    argv = ["run", str(folder), "--texts", "12", "--steps", "embed,serve,oracle", "--result", str(out)]
+    argv = ["run", str(folder), "--texts", "12", "--steps", "embed,serve,capture,oracle", "--result", str(out)]
     assert rehearse.main([*argv, "--delete"]) == 0
     document = json.loads(out.read_text())
     steps = {step["step"]: step for step in document["steps"]}
-    assert set(steps) == {"embed", "serve", "oracle"}
+    assert set(steps) == {"embed", "serve", "capture", "oracle"}
     for step in steps.values():
         assert step["returncode"] == 0 and step["loads"] == 1, step
         assert (
@@ -134,6 +134,9 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
         assert step["peak_held_bytes"] >= step["peak_rss_anon_bytes"]
     assert steps["serve"]["texts"] == 12 and steps["serve"]["vectors_finite"]
     assert steps["oracle"]["check"]["passed"] and steps["oracle"]["check"]["dtype"] == "torch.bfloat16"
+    overhead = steps["capture"]["overhead"]  # encode(rw) against a plain forward of the same batches
+    assert overhead["dtype"] == "torch.bfloat16" and overhead["repeats"] == 5 and overhead["texts"] == 12
+    assert 0.5 < overhead["median_ratio_encode_rw_vs_plain"] < 5
     assert document["deleted"] and not folder.exists()
 
 
@@ -154,15 +157,21 @@ def test_the_oracle_step_loads_with_the_run_s_memory_cap_and_disk_offload(rehear
         rehearse.oracle_main(str(folder), str(out), ["--max-memory", "cpu=1GiB"])
 
 
-def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
-    """BENCHMARKS.md section 13 comes from bench/results/rehearsal/*.json (no figure typed by hand)."""
+def _render_and_l2_result():
+    """write_benchmarks_md's ``render`` and the committed 2-layer OLMoE result, the fixture of the
+    section-13 tests."""
     scripts = str(SCRIPT.parent)
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     from write_benchmarks_md import render
 
     committed = SCRIPT.parent.parent / "bench" / "results" / "rehearsal" / "olmoe-1b-7b-L2.json"
-    result = json.loads(committed.read_text())
+    return render, committed, json.loads(committed.read_text())
+
+
+def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
+    """BENCHMARKS.md section 13 comes from bench/results/rehearsal/*.json (no figure typed by hand)."""
+    render, committed, result = _render_and_l2_result()
     (tmp_path / "rehearsal").mkdir()
     (tmp_path / "rehearsal" / committed.name).write_text(json.dumps(result))
     text = render(tmp_path, tmp_path / "missing.json")
@@ -179,15 +188,10 @@ def test_benchmarks_md_renders_the_rehearsal_results(tmp_path):
 def test_benchmarks_md_reads_an_offloaded_run_against_its_cap_and_a_fused_checkpoint_without_a_join(
     tmp_path,
 ):
-    """A run larger than memory is judged by RssAnon under its --max-memory cap (not by held / weights),
+    """A run larger than memory is judged by its peak held memory against its --max-memory cap plus
+    what a model held in memory adds (not by held / weights),
     and a checkpoint whose experts are stored fused is not said to join per-expert tensors."""
-    scripts = str(SCRIPT.parent)
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    from write_benchmarks_md import render
-
-    committed = SCRIPT.parent.parent / "bench" / "results" / "rehearsal" / "olmoe-1b-7b-L2.json"
-    base = json.loads(committed.read_text())
+    render, committed, base = _render_and_l2_result()
     (tmp_path / "rehearsal").mkdir()
     offloaded = json.loads(json.dumps(base))
     offloaded["checkpoint"].update(configuration="big", hub_id="org/big", layers=16, full_layers=16)
@@ -196,11 +200,12 @@ def test_benchmarks_md_reads_an_offloaded_run_against_its_cap_and_a_fused_checkp
         if step["step"] == "oracle":
             step["check"]["offloaded_parameters"] = 123
     (tmp_path / "rehearsal" / "big.json").write_text(json.dumps(offloaded))
-    peak = max(s["peak_rss_anon_bytes"] for s in offloaded["steps"] if "loads" in s)
+    peak = max(s["peak_held_bytes"] for s in offloaded["steps"] if "loads" in s)
     text = render(tmp_path, tmp_path / "missing.json")
     section = text.split("### org/big")[1].split("\n### ")[0]
     assert "`--device-map auto --max-memory cpu=1GiB` (1.07 GB" in section
-    assert f"{peak / 1e9:.2f} GB, so **missed**" in section  # 2.80 GB over a 1.07 GB cap
+    # 3.28 GB held over a 1.07 GB cap + 2 GB (no full-depth in-memory run here to measure the allowance)
+    assert f"{peak / 1e9:.2f} GB, so **missed**" in section and "an assumed 2 GB" in section
     assert "| 13 | real widths" in text and "(disk offload) | bounded by the cap |" in text
     # under a cap above the peak the verdict flips
     offloaded["command"] = offloaded["command"].replace("cpu=1GiB", "cpu=8GiB")
@@ -219,3 +224,25 @@ def test_benchmarks_md_reads_an_offloaded_run_against_its_cap_and_a_fused_checkp
     assert "already fused" in section and "nothing to join" in section
     assert "joins the checkpoint's per-expert tensors" not in section
     assert "no full-depth run of this model here" in section
+
+
+def test_a_rerun_replaces_only_its_steps_and_is_recorded(rehearse, tmp_path):
+    """`run --steps oracle --rerun` after a fix: the earlier result keeps its other steps and its own
+    record; the rerun is listed; a result of another checkpoint is refused."""
+    committed = SCRIPT.parent.parent / "bench" / "results" / "rehearsal" / "olmoe-1b-7b-L2.json"
+    earlier = json.loads(committed.read_text())
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(earlier))
+    oracle = {"step": "oracle", "returncode": 0, "check": {"passed": True}}
+    document = {"checkpoint": {**earlier["checkpoint"], "command": "write ..."}, "steps": [oracle]}
+    merged = rehearse.rerun_into(path, document)
+    assert [s["step"] for s in merged["steps"]] == [s["step"] for s in earlier["steps"]]
+    assert next(s for s in merged["steps"] if s["step"] == "oracle") == oracle
+    assert next(s for s in merged["steps"] if s["step"] == "embed") == earlier["steps"][0]
+    assert merged["command"] == earlier["command"] and merged["utc"] == earlier["utc"]
+    assert merged["reruns"][0]["steps"] == ["oracle"] and merged["reruns"][0]["write"] == "write ..."
+    other = {"checkpoint": {**earlier["checkpoint"], "layers": 3}, "steps": [oracle]}
+    with pytest.raises(SystemExit, match="another checkpoint"):
+        rehearse.rerun_into(path, other)
+    with pytest.raises(SystemExit, match="no earlier result"):
+        rehearse.rerun_into(tmp_path / "missing.json", document)

@@ -253,8 +253,8 @@ class MoEEmbedder:
     ) -> MoEEmbedder:
         """Load a causal LM and its tokenizer with :func:`moee.loading.load_model`, the loader every
         command uses (``dtype``, ``device_map`` and any other keyword are passed through to
-        transformers). ``None`` loads the default model (``moee.models.bundled.DEFAULT_MODEL``); a training checkpoint folder
-        (``moee train``'s ``run/step_XXXXXXXX``) loads with the tokenizer its run names, and
+        transformers). ``None`` loads the default model (``moee.models.bundled.DEFAULT_MODEL``); a
+        training checkpoint folder (``moee train``'s ``run/step_XXXXXXXX``) loads with the tokenizer its run names, and
         ``tokenizer`` (a directory or Hub id) overrides the model's own. Weights load from
         safetensors only unless ``allow_pickle_weights`` (see :func:`moee.loading.load_causal_lm`).
 
