@@ -119,7 +119,16 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
     folder = tmp_path / "tiny-olmoe"
     rehearse.write_checkpoint("olmoe-1b-7b", folder, tiny=True)
     out = tmp_path / "result.json"
-    argv = ["run", str(folder), "--texts", "12", "--steps", "embed,serve,capture,oracle", "--result", str(out)]
+    argv = [
+        "run",
+        str(folder),
+        "--texts",
+        "12",
+        "--steps",
+        "embed,serve,capture,oracle",
+        "--result",
+        str(out),
+    ]
     assert rehearse.main([*argv, "--delete"]) == 0
     document = json.loads(out.read_text())
     steps = {step["step"]: step for step in document["steps"]}
