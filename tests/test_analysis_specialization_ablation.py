@@ -79,7 +79,7 @@ def test_the_committed_ablation_reads_into_the_section_and_its_page():
     result = read_ablation(COMMITTED)  # the folder: its importance.json
     assert result["source"].endswith("importance.json")
     part = ablation_section(
-        result, model=None, n_layers=len(result["layers"]), n_experts=result["n_experts"][0]
+        result, model="minilm-moe", n_layers=len(result["layers"]), n_experts=result["n_experts"][0]
     )
     assert part["available"] and len(part["experts"]) == len(result["experts"])
     assert part["spearman_importance_load"]["by_layer"] == result["spearman_importance_load"]["by_layer"]

@@ -249,7 +249,7 @@ def test_a_rerun_replaces_only_its_steps_and_is_recorded(rehearse, tmp_path):
     assert next(s for s in merged["steps"] if s["step"] == "oracle") == oracle
     assert next(s for s in merged["steps"] if s["step"] == "embed") == earlier["steps"][0]
     assert merged["command"] == earlier["command"] and merged["utc"] == earlier["utc"]
-    assert merged["reruns"][0]["steps"] == ["oracle"] and merged["reruns"][0]["write"] == "write ..."
+    assert merged["reruns"][-1]["steps"] == ["oracle"] and merged["reruns"][-1]["write"] == "write ..."
     other = {"checkpoint": {**earlier["checkpoint"], "layers": 3}, "steps": [oracle]}
     with pytest.raises(SystemExit, match="another checkpoint"):
         rehearse.rerun_into(path, other)
