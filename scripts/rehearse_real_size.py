@@ -813,6 +813,17 @@ def serve_step(
     return result
 
 
+def _bf16_options(prog: str, load_flags: Sequence[str]) -> Any:
+    """The ``LoadOptions`` a measured in-process step loads with: bfloat16 plus the run's loading flags,
+    read by the commands' own flag parser (on the CPU unless the flags place the model)."""
+    from moee.cli_options import add_loading_arguments, load_options
+
+    parser = argparse.ArgumentParser(prog=prog)
+    add_loading_arguments(parser, model=False)
+    placed = [] if "--device-map" in load_flags else ["--device", "cpu"]
+    return load_options(parser.parse_args(["--dtype", "bfloat16", *placed, *load_flags]))
+
+
 def oracle_main(folder: str, out: str, load_flags: Sequence[str] = ()) -> int:
     """The oracle check on the checkpoint in bfloat16 (run in a measured process by ``run``), loaded
     with the other steps' loading flags (``load_flags``: a model larger than memory is checked
@@ -820,14 +831,9 @@ def oracle_main(folder: str, out: str, load_flags: Sequence[str] = ()) -> int:
     from dataclasses import asdict
 
     from moee.capture.oracle import check_model
-    from moee.cli_options import add_loading_arguments, load_options
     from moee.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="_oracle")
-    add_loading_arguments(parser, model=False)
-    placed = [] if "--device-map" in load_flags else ["--device", "cpu"]
-    options = load_options(parser.parse_args(["--dtype", "bfloat16", *placed, *load_flags]))
-    model = load_model(folder, options, tokenizer=False).model.eval()
+    model = load_model(folder, _bf16_options("_oracle", load_flags), tokenizer=False).model.eval()
     try:
         result: dict[str, Any] = {
             "passed": True,
@@ -855,14 +861,9 @@ def capture_main(folder: str, out: str, texts: int, repeats: int, load_flags: Se
     import torch
 
     from moee.benchmarking import length_mix_texts, paired_ratio, time_interleaved
-    from moee.cli_options import add_loading_arguments, load_options
     from moee.embed.embedder import MoEEmbedder
 
-    parser = argparse.ArgumentParser(prog="_capture")
-    add_loading_arguments(parser, model=False)
-    placed = [] if "--device-map" in load_flags else ["--device", "cpu"]
-    options = load_options(parser.parse_args(["--dtype", "bfloat16", *placed, *load_flags]))
-    embedder = MoEEmbedder.from_pretrained(folder, options)
+    embedder = MoEEmbedder.from_pretrained(folder, _bf16_options("_capture", load_flags))
     sample = [t.replace("\n", " ") for t in length_mix_texts(texts, seed=3)]
     seqs = embedder._tokenize(sample)
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
