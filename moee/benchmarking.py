@@ -31,6 +31,7 @@ __all__ = [
     "write_result",
     "benchmark_tokenizer",
     "length_mix_texts",
+    "capture_overhead_variants",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -188,3 +189,30 @@ def length_mix_texts(n: int, seed: int = 0) -> list[str]:
     pool = sorted(set(pool))
     rng = random.Random(seed)
     return rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
+
+
+def capture_overhead_variants(
+    embedder: Any, texts: list[str], batch_size: int
+) -> dict[str, Callable[[], Any]]:
+    """The two sides of the capture-overhead ratio, for :func:`time_interleaved`: ``encode_rw`` (the
+    whole ``encode(method="rw")``, hooks included) and ``plain_forward`` (the backbone alone on the
+    very batches encode builds: same length sort, same padding). Why one builder: the ratio is only
+    the hooks' cost when both sides see identical tensors, and every script measuring it must agree."""
+    import torch
+
+    seqs = embedder._tokenize(texts)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    batches = [
+        embedder._batch_tensors([seqs[i] for i in order[s : s + batch_size]])
+        for s in range(0, len(seqs), batch_size)
+    ]
+
+    def plain() -> None:
+        with torch.inference_mode():
+            for batch in batches:
+                embedder._forward(batch)
+
+    def rw() -> None:
+        embedder.encode(texts, method="rw", batch_size=batch_size, show_progress_bar=False)
+
+    return {"plain_forward": plain, "encode_rw": rw}

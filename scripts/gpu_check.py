@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from moee.benchmarking import (  # noqa: E402
     RESULTS_DIR,
     benchmark_tokenizer,
+    capture_overhead_variants,
     length_mix_texts,
     paired_ratio,
     summarize,
@@ -246,25 +247,8 @@ def check_encode(embedder, pool: list[str], sizes: Sizes, budget_s: float) -> tu
 def check_capture_overhead(embedder, texts: list[str], sizes: Sizes, budget_s: float) -> dict:
     """encode(method="rw") vs a plain backbone forward of the very batches encode builds."""
     start = time.perf_counter()
-    seqs = embedder._tokenize(texts)
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    batches = [
-        embedder._batch_tensors([seqs[i] for i in order[s : s + sizes.batch]])
-        for s in range(0, len(seqs), sizes.batch)
-    ]
-
-    def plain() -> None:
-        with torch.inference_mode():
-            for batch in batches:
-                embedder._forward(batch)
-
     times, repeats, _ = timed_within(
-        {
-            "plain_forward": plain,
-            "encode_rw": lambda: embedder.encode(
-                texts, method="rw", batch_size=sizes.batch, show_progress_bar=False
-            ),
-        },
+        capture_overhead_variants(embedder, texts, sizes.batch),
         budget_s - (time.perf_counter() - start),
         sizes.max_repeats,
     )

@@ -22,6 +22,7 @@ tests_for() {
     moee/moe/layer.py) echo "tests/test_moe_layer.py" ;;
     moee/embed/methods.py) echo "tests/test_embed_methods.py" ;;
     moee/capture/recorder.py) echo "tests/test_capture_recorder.py" ;;
+    moee/capture/oracle.py) echo "tests/test_capture_oracle_unit.py" ;;
     moee/embed/recipes.py) echo "tests/test_embed_recipes.py" ;;
     moee/embed/reference.py) echo "tests/test_embed_reference_unit.py" ;;
     moee/analysis/overlap.py) echo "tests/test_analysis_overlap.py" ;;

@@ -860,33 +860,27 @@ def capture_main(folder: str, out: str, texts: int, repeats: int, load_flags: Se
 
     import torch
 
-    from moee.benchmarking import length_mix_texts, paired_ratio, time_interleaved
+    from moee.benchmarking import capture_overhead_variants, length_mix_texts, paired_ratio, time_interleaved
     from moee.embed.embedder import MoEEmbedder
 
     embedder = MoEEmbedder.from_pretrained(folder, _bf16_options("_capture", load_flags))
     sample = [t.replace("\n", " ") for t in length_mix_texts(texts, seed=3)]
-    seqs = embedder._tokenize(sample)
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    batches = [embedder._batch_tensors([seqs[i] for i in order[s : s + 8]]) for s in range(0, len(seqs), 8)]
-
-    def plain() -> None:
-        with torch.inference_mode():
-            for batch in batches:
-                embedder._forward(batch)
-
-    def rw() -> None:
-        embedder.encode(sample, method="rw", batch_size=8, show_progress_bar=False)
-
-    times = time_interleaved({"plain_forward": plain, "encode_rw": rw}, repeats=repeats)
+    wall, cpu = time.perf_counter(), time.process_time()
+    times = time_interleaved(capture_overhead_variants(embedder, sample, batch_size=8), repeats=repeats)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     result = {
         "goal": f"<= {CAPTURE_GOAL}",
         "texts": len(sample),
-        "tokens": sum(len(s) for s in seqs),
+        "tokens": sum(len(s) for s in embedder._tokenize(sample)),
         "repeats": repeats,
         "median_ratio_encode_rw_vs_plain": paired_ratio(times["encode_rw"], times["plain_forward"]),
         "median_s": {k: statistics.median(v) for k, v in times.items()},
         "dtype": str(next(embedder.model.parameters()).dtype),
         "load_average_1m": os.getloadavg()[0],  # other jobs share the cores: the ratio is paired
+        "torch_threads": torch.get_num_threads(),
+        # the share of its threads' time the timing got: near 1 means no other job took its cores,
+        # whatever the load average says of the machine as a whole
+        "cpu_share": cpu / (wall * torch.get_num_threads()),
     }
     Path(out).write_text(json.dumps(result, indent=2))
     return 0
@@ -949,14 +943,16 @@ def run_rehearsal(args: argparse.Namespace) -> dict[str, Any]:
                 str(folder),
                 str(out),
                 str(min(len(texts), 32)),
-                "5",
+                str(args.capture_repeats),
                 *shlex.split(args.load_flags or ""),
             ],
             work,
             weight_bytes,
             timeout=args.timeout,
         )
-        step["command"] = "encode(method='rw') vs a plain forward of the same batches, 5 interleaved pairs"
+        step["command"] = (
+            f"encode(method='rw') vs a plain forward of the same batches, {args.capture_repeats} interleaved pairs"
+        )
         step["overhead"] = json.loads(out.read_text()) if out.is_file() else None
         results.append(step)
     if "oracle" in steps:
@@ -1029,6 +1025,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ablate-tokens", type=int, default=512, help="tokens `moee ablate` uses")
     r.add_argument("--batch-size", type=int, default=8)
     r.add_argument("--steps", default="embed,evaluate,report,routes,ablate,serve,capture,oracle")
+    r.add_argument(
+        "--capture-repeats",
+        type=int,
+        default=12,
+        help="interleaved pairs the capture step times (default: 12; single pairs spread by about 10%%, "
+        "so fewer leave the median ratio at the mercy of one slow forward)",
+    )
     r.add_argument(
         "--load-flags",
         default=None,

@@ -126,6 +126,8 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
         "12",
         "--steps",
         "embed,serve,capture,oracle",
+        "--capture-repeats",
+        "3",
         "--result",
         str(out),
     ]
@@ -144,8 +146,9 @@ def test_the_measured_steps_run_on_a_tiny_folder(rehearse, tmp_path):
     assert steps["serve"]["texts"] == 12 and steps["serve"]["vectors_finite"]
     assert steps["oracle"]["check"]["passed"] and steps["oracle"]["check"]["dtype"] == "torch.bfloat16"
     overhead = steps["capture"]["overhead"]  # encode(rw) against a plain forward of the same batches
-    assert overhead["dtype"] == "torch.bfloat16" and overhead["repeats"] == 5 and overhead["texts"] == 12
+    assert overhead["dtype"] == "torch.bfloat16" and overhead["repeats"] == 3 and overhead["texts"] == 12
     assert 0.5 < overhead["median_ratio_encode_rw_vs_plain"] < 5
+    assert overhead["torch_threads"] >= 1 and "3 interleaved pairs" in steps["capture"]["command"]
     assert document["deleted"] and not folder.exists()
 
 
@@ -255,3 +258,32 @@ def test_a_rerun_replaces_only_its_steps_and_is_recorded(rehearse, tmp_path):
         rehearse.rerun_into(path, other)
     with pytest.raises(SystemExit, match="no earlier result"):
         rehearse.rerun_into(tmp_path / "missing.json", document)
+
+
+def test_the_capture_verdict_is_settled_only_when_the_timing_had_its_cores():
+    """A paired ratio is trusted when the timed threads got their cores (``cpu_share``), else, for
+    results without it, when the load average stayed within the cores; otherwise 'not settled'."""
+    _render_and_l2_result()  # puts scripts/ on the path
+    from write_benchmarks_md import CAPTURE_GOAL, _capture_reading
+
+    base = {
+        "repeats": 12,
+        "texts": 32,
+        "tokens": 1056,
+        "median_s": {"plain_forward": 5.0},
+        "load_average_1m": 3.0,
+    }
+    reading = _capture_reading({**base, "median_ratio_encode_rw_vs_plain": 1.0, "cpu_share": 0.97}, cpus=2)
+    assert "**met**" in reading and "97%" in reading and f"goal <= {CAPTURE_GOAL}" in reading
+    assert "**missed**" in _capture_reading(
+        {**base, "median_ratio_encode_rw_vs_plain": 1.05, "cpu_share": 0.9}, 2
+    )
+    assert "not settled" in _capture_reading(
+        {**base, "median_ratio_encode_rw_vs_plain": 1.0, "cpu_share": 0.89}, 2
+    )
+    assert "not settled" in _capture_reading(
+        {**base, "median_ratio_encode_rw_vs_plain": 1.0}, 2
+    )  # load 3 > 2
+    assert "**met**" in _capture_reading(
+        {**base, "median_ratio_encode_rw_vs_plain": 1.0, "load_average_1m": 2.0}, 2
+    )
