@@ -287,3 +287,22 @@ def test_the_capture_verdict_is_settled_only_when_the_timing_had_its_cores():
     assert "**met**" in _capture_reading(
         {**base, "median_ratio_encode_rw_vs_plain": 1.0, "load_average_1m": 2.0}, 2
     )
+
+
+def test_the_capture_summary_row_is_met_only_when_every_rehearsal_is_settled_and_met():
+    _render_and_l2_result()
+    from write_benchmarks_md import _capture_row
+
+    def result(name, ratio, share):
+        capture = {"median_ratio_encode_rw_vs_plain": ratio, "cpu_share": share, "load_average_1m": 2.0}
+        return {
+            "checkpoint": {"configuration": name},
+            "machine": {"logical_cpus": 2},
+            "steps": [{"step": "embed"}, {"step": "capture", "overhead": capture}],
+        }
+
+    assert _capture_row([{"checkpoint": {}, "machine": {}, "steps": [{"step": "embed"}]}]) is None
+    row = _capture_row([result("a", 0.99, 0.95), result("b", 1.01, 0.92)])
+    assert row[-1] == "met" and row[3] == "a 0.990; b 1.010"
+    assert _capture_row([result("a", 0.99, 0.95), result("b", 1.01, 0.5)])[-1] == "not settled"
+    assert _capture_row([result("a", 1.05, 0.95), result("b", 1.01, 0.5)])[-1] == "**missed**"
