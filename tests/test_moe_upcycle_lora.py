@@ -173,6 +173,65 @@ def test_lora_refusals_name_the_argument():
         UpcycledMoEFFN(config, ffn, torch.nn.Linear(4, 2))
 
 
+def test_the_adapters_a_are_drawn_from_the_seed_uniform_within_one_over_sqrt_d_ff():
+    """LoRA's A: uniform in +-1/sqrt(d_ff), from a generator seeded by ``seed`` alone (the first MoE
+    layer's A is the generator's first draw: a centroid router draws nothing from it), whatever the
+    caller's global RNG holds; the last layer's A is a later draw, not a copy."""
+    import math
+
+    torch.manual_seed(123)  # the caller's state must not matter
+    model = lora(seed=5)
+    first, last = (ffn.experts.lora_a.detach() for ffn in (model.moe_ffns()[0], model.moe_ffns()[-1]))
+    n_experts, d_ff, rank = first.shape
+    bound = 1.0 / math.sqrt(d_ff)
+    want = (torch.rand(n_experts, d_ff, rank, generator=torch.Generator().manual_seed(5)) * 2 - 1) * bound
+    torch.testing.assert_close(first, want, rtol=0, atol=0)
+    assert (
+        float(first.abs().max()) <= bound
+        and float(first.max()) > 0.8 * bound
+        and float(first.min()) < -0.8 * bound
+    )
+    assert not torch.equal(first, last)
+    torch.manual_seed(456)
+    assert torch.equal(lora(seed=5).moe_ffns()[0].experts.lora_a, first)
+    # with a random router the same generator draws the layer's router rows first, then its A
+    model = lora(seed=5, router_init="random")
+    gen = torch.Generator().manual_seed(5)
+    d_model = model.config.text_config.hidden_size
+    torch.randn(n_experts, d_model, generator=gen)
+    want = (torch.rand(n_experts, d_ff, rank, generator=gen) * 2 - 1) * bound
+    torch.testing.assert_close(model.moe_ffns()[0].experts.lora_a.detach(), want, rtol=0, atol=0)
+
+
+def test_the_lora_router_centroids_follow_the_seed():
+    """The neuron clusters that start a lora router are drawn from ``seed`` (not a fixed one)."""
+
+    def routers(model):
+        return [t for ffn in model.moe_ffns() for t in ffn.router.state_dict().values()]
+
+    assert any(not torch.equal(a, b) for a, b in zip(routers(lora(seed=0)), routers(lora(seed=3))))
+
+
+def test_only_a_lora_model_records_an_adapter_rank():
+    """A split or copy model's configuration says it has no adapters (rank 0), whatever lora_rank says."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", up.UpcycleWarning)
+        for mode in ("split", "copy"):
+            model = up.upcycle(
+                dense_model("llama"), n_experts=4, top_k=2, mode=mode, lora_rank=5, balance_router=False
+            )
+            assert model.config.expert_lora_rank == 0, mode
+    assert lora(rank=3).config.expert_lora_rank == 3
+
+
+def test_settings_and_keywords_together_are_refused_naming_the_keywords():
+    from moee.upcycle_settings import UpcycleSettings
+
+    settings = UpcycleSettings.from_keywords(n_experts=4, top_k=2)
+    with pytest.raises(TypeError, match=r"not both: got n_experts, top_k$"):
+        up.upcycle(dense_model("llama"), settings, top_k=2, n_experts=4)
+
+
 @pytest.mark.slow
 def test_the_lora_router_starts_from_the_neuron_cluster_centroids_and_is_balanced():
     model = lora(balance=False)
