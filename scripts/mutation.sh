@@ -34,7 +34,7 @@ tests_for() {
       echo "tests/test_analysis_specialization_nulls.py" ;;
     moee/analysis/specialization/*.py) echo "tests/test_analysis_specialization.py" ;;
     moee/moe/vocab.py) echo "tests/test_moe_vocab.py" ;;
-    moee/moe/upcycle.py) echo "tests/test_moe_upcycle_maths.py tests/test_moe_upcycle_unit.py tests/test_moe_upcycle.py tests/test_moe_upcycle_start.py tests/test_moe_upcycle_output.py" ;;
+    moee/moe/upcycle.py) echo "tests/test_moe_upcycle_maths.py tests/test_moe_upcycle_unit.py tests/test_moe_upcycle_lora.py tests/test_moe_upcycle.py tests/test_moe_upcycle_start.py tests/test_moe_upcycle_output.py" ;;
     *) return 1 ;;
   esac
 }
