@@ -338,6 +338,9 @@ def test_quickstart_end_to_end_with_a_saved_tiny_model(embedder, tmp_path, capsy
         "Retrieval",
     }
     assert (out / "report" / "report.html").is_file()
+    report = json.loads((out / "report" / "report.json").read_text())
+    worst = max(report["layers"], key=lambda layer: layer["max_over_mean_load"])["layer"]
+    assert f"(layer {worst})" in printed and "small sample" in printed  # the imbalance is read in context
     rows = printed.replace("moee/tiny-model | ", "")
     assert "| MoEE sum + PromptEOL (alpha=auto, pooling=mean) |" in rows  # the model's configuration
     assert "| MoEE sum + PromptEOL (alpha=auto, score=softmax) |" in rows  # the paper's, beside it

@@ -126,9 +126,12 @@ def specialization_report(embedder: Any, rows: list[dict[str, str]], out_dir: Pa
     }
     paths = write_report(report, out_dir)
     s = report["summary"]
+    worst = max(report["layers"], key=lambda layer: layer["max_over_mean_load"])
     log(
         f"      {s['n_texts']} texts, {s['n_tokens']} tokens: mean CV(load) {s['mean_cv_load']:.3f}, "
-        f"worst max/mean load {s['max_over_mean_load']:.2f}"
+        f"worst max/mean load {s['max_over_mean_load']:.2f} (layer {worst['layer']})\n"
+        "      (a small sample of a few tasks: experts that prefer one task's texts show here as imbalance; "
+        "`moee report` on a large, mixed corpus measures balance)"
     )
     return paths["html"]
 
