@@ -1,4 +1,4 @@
-"""``moee quickstart``: the whole pipeline on the bundled default model, offline, in about 100 s on 2 cores.
+"""``moee quickstart``: the whole pipeline on the bundled default model, offline, in about 90 s on 2 cores.
 
 1. loads the model and the mini variants of the offline suite (one task per family, ``--tasks
    mini``);
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "quickstart",
         help="offline demo: embed, evaluate the model's and the paper's configuration beside the "
-        "baseline, report (about 100 s on 2 CPU cores)",
+        "baseline, report (about 90 s on 2 CPU cores)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
