@@ -22,8 +22,9 @@ model type moee defines (``moee.models.register_models``), reads ``name@revision
 weights with :func:`load_causal_lm`, places them, and finds the tokenizer (:func:`tokenizer_source`):
 ``LoadOptions.tokenizer`` when given, else the model folder's own, else, for a training checkpoint
 (``moee train``'s ``run/step_XXXXXXXX/``, which holds no tokenizer), the one its run was trained
-with (:func:`run_tokenizer`); an error names what is missing when none is found. The bundled
-default model lives in :data:`MINILM_MOE_DIR`.
+with (:func:`run_tokenizer`); an error names what is missing when none is found. The model that
+loads when none is named is ``moee.models.bundled.DEFAULT_MODEL``; the small ``minilm-moe``, shipped
+whole, lives in :data:`MINILM_MOE_DIR`.
 
 A model larger than memory loads with ``--device-map auto --max-memory cpu=8GiB --offload-folder
 DIR``: accelerate fills each device up to its budget (:func:`parse_max_memory`, read once when the
