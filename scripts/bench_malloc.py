@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="alternating (default, tuned) process pairs")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
+    for flag in ("texts", "batch_size", "passes", "pairs"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     base = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     for key in TUNED:
         base.pop(key, None)

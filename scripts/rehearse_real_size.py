@@ -1057,6 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
         "result keeps the other steps and records each rerun's command, time and revision",
     )
     args = parser.parse_args(argv)
+    if args.command == "run" and args.capture_repeats < 1:
+        parser.error(f"--capture-repeats must be at least 1, got {args.capture_repeats}")
     if args.command == "write":
         manifest = write_checkpoint(
             args.name,

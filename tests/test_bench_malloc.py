@@ -21,3 +21,11 @@ def test_bench_malloc_records_both_sides(tmp_path):
     assert result["tuned_env"]["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20)
     assert result["median_ratio_tuned_vs_default"] > 0 and result["minor_faults_per_pass"]["default"] >= 0
     assert result["machine"] and result["versions"]["torch"]
+
+
+@pytest.mark.parametrize("flag", ["--texts", "--batch-size", "--passes", "--pairs"])
+def test_bench_malloc_refuses_a_count_below_one(flag):
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), flag, "0"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and f"{flag} must be at least 1, got 0" in out.stderr

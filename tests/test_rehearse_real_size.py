@@ -306,3 +306,9 @@ def test_the_capture_summary_row_is_met_only_when_every_rehearsal_is_settled_and
     assert row[-1] == "met" and row[3] == "a 0.990; b 1.010"
     assert _capture_row([result("a", 0.99, 0.95), result("b", 1.01, 0.5)])[-1] == "not settled"
     assert _capture_row([result("a", 1.05, 0.95), result("b", 1.01, 0.5)])[-1] == "**missed**"
+
+
+def test_a_capture_step_of_no_pairs_is_refused_before_anything_runs(rehearse, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        rehearse.main(["run", str(tmp_path / "absent"), "--capture-repeats", "0"])
+    assert "--capture-repeats must be at least 1, got 0" in capsys.readouterr().err
